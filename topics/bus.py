@@ -1,0 +1,294 @@
+"""The bus API: producer, consumer and admin, one interface for every backend.
+
+``connect(url)`` picks the backend from the URL scheme:
+
+- ``kafka://host:port[,host:port]`` — Apache Kafka through confluent-kafka
+  (:mod:`topics.kafka`);
+- ``local://PATH`` — the embedded single-machine bus, durable on disk and safe
+  for several processes (:mod:`topics.local`).
+
+Semantics follow Kafka's: partitions are ordered logs of records addressed by
+offset; a consumer group splits a topic's partitions among its members; a
+committed offset is the *next* offset to read; lag is the end offset minus the
+committed offset.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, NamedTuple
+
+
+class TopicPartition(NamedTuple):
+    """A partition of a topic."""
+
+    topic: str
+    partition: int
+
+
+@dataclass(frozen=True)
+class Record:
+    """One consumed record. ``timestamp_ms`` is the producer's create time, milliseconds since the epoch."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: dict[str, bytes] = field(default_factory=dict)
+    timestamp_ms: int = 0
+
+    @property
+    def tp(self) -> TopicPartition:
+        return TopicPartition(self.topic, self.partition)
+
+
+@dataclass(frozen=True)
+class TopicInfo:
+    """A topic's partition count and configuration (``cleanup.policy``, ``retention.ms``, ...)."""
+
+    name: str
+    partitions: int
+    config: dict[str, str]
+
+    @property
+    def compacted(self) -> bool:
+        return "compact" in self.config.get("cleanup.policy", "")
+
+
+class BusError(RuntimeError):
+    """A bus operation failed (broker unreachable, unknown topic, bad URL, ...)."""
+
+
+class DeliveryError(BusError):
+    """One or more produced records were not acknowledged; ``failures`` lists (topic, key, reason)."""
+
+    def __init__(self, failures: list[tuple[str, bytes | None, str]]):
+        self.failures = failures
+        first = failures[0]
+        super().__init__(f"{len(failures)} record(s) not delivered; first: topic {first[0]} key {first[1]!r}: {first[2]}")
+
+
+Headers = Mapping[str, str | bytes]
+
+
+def offsets_after(records: Iterable[Record]) -> dict[TopicPartition, int]:
+    """The offsets to commit after processing ``records``: per partition, the highest offset + 1."""
+    out: dict[TopicPartition, int] = {}
+    for r in records:
+        if r.offset + 1 > out.get(r.tp, -1):
+            out[r.tp] = r.offset + 1
+    return out
+
+
+class Producer(abc.ABC):
+    """Writes records. ``send`` is asynchronous; ``flush`` waits and surfaces delivery errors."""
+
+    @abc.abstractmethod
+    def send(self, topic: str, value: bytes | None, key: str | bytes | None = None,
+             headers: Headers | None = None, partition: int | None = None) -> None:
+        """Queue one record. Records with the same key go to the same partition.
+
+        Raises:
+            BusError: the record cannot be queued (unknown topic on the embedded bus, too large, ...).
+        """
+
+    @abc.abstractmethod
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued record is acknowledged.
+
+        Raises:
+            DeliveryError: some records failed since the last flush.
+            BusError: not all records were acknowledged within ``timeout_s`` seconds.
+        """
+
+    # Transactions: exactly-once consume-transform-produce on Kafka; on the
+    # embedded bus they are at-least-once (commit = flush, then commit offsets).
+    @abc.abstractmethod
+    def begin_transaction(self) -> None:
+        """Start a transaction (needs ``transactional_id`` at creation)."""
+
+    @abc.abstractmethod
+    def commit_transaction(self, consumer: "Consumer | None" = None,
+                           offsets: Mapping[TopicPartition, int] | None = None,
+                           timeout_s: float = 30.0) -> None:
+        """Commit the transaction, atomically with ``consumer``'s group ``offsets`` when given.
+
+        Raises:
+            BusError: the commit failed; the transaction was aborted and its records are not visible.
+        """
+
+    @abc.abstractmethod
+    def abort_transaction(self, timeout_s: float = 30.0) -> None:
+        """Abort the open transaction: none of its records become visible to ``read_committed`` readers."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush and release resources."""
+
+
+class Consumer(abc.ABC):
+    """A member of a consumer group (or, with ``group=None``, a free reader of assigned partitions)."""
+
+    group: str | None
+
+    @abc.abstractmethod
+    def subscribe(self, topics: list[str]) -> None:
+        """Join the group on ``topics``; partitions are assigned and rebalanced as members come and go."""
+
+    @abc.abstractmethod
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        """Read exactly ``partitions``, outside any group rebalance."""
+
+    @abc.abstractmethod
+    def assignment(self) -> list[TopicPartition]:
+        """The partitions this member currently owns."""
+
+    @abc.abstractmethod
+    def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        """Return up to ``max_records`` records, waiting at most ``timeout_s`` seconds for the first.
+
+        Starts at the committed offset of each partition, or at the beginning
+        when none is committed. Also drives membership (heartbeats, rebalance).
+        """
+
+    @abc.abstractmethod
+    def commit(self, offsets: Mapping[TopicPartition, int] | Iterable[Record]) -> None:
+        """Commit synchronously. Given records, commits per partition the highest offset + 1.
+
+        Raises:
+            BusError: the commit was refused (for example this member lost the partition).
+        """
+
+    @abc.abstractmethod
+    def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:
+        """The group's committed offsets (None where nothing is committed)."""
+
+    @abc.abstractmethod
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        """Stop returning records from ``partitions`` (membership is kept)."""
+
+    @abc.abstractmethod
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        """Undo :meth:`pause`."""
+
+    @abc.abstractmethod
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        """Read ``tp`` from ``offset`` next. Applied when the partition is (or becomes) assigned."""
+
+    @abc.abstractmethod
+    def seek_to_beginning(self, partitions: list[TopicPartition] | None = None) -> None:
+        """Read from the earliest retained offset (all assigned partitions when None)."""
+
+    @abc.abstractmethod
+    def seek_to_timestamp(self, timestamp_ms: int, partitions: list[TopicPartition] | None = None) -> None:
+        """Read from the first record with timestamp >= ``timestamp_ms`` (ms since the epoch)."""
+
+    @abc.abstractmethod
+    def lag(self) -> dict[TopicPartition, int]:
+        """Per assigned partition: end offset - committed offset (records)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Leave the group (a rebalance follows) without committing."""
+
+
+class Admin(abc.ABC):
+    """Creates and describes topics and reads group offsets."""
+
+    @abc.abstractmethod
+    def create_topic(self, name: str, partitions: int = 1, compacted: bool = False,
+                     retention_ms: int | None = None, config: Mapping[str, str] | None = None) -> None:
+        """Create ``name`` if it does not exist (idempotent; an existing topic is left as is)."""
+
+    @abc.abstractmethod
+    def describe_topic(self, name: str) -> TopicInfo:
+        """Partition count and config of ``name``.
+
+        Raises:
+            BusError: the topic does not exist.
+        """
+
+    @abc.abstractmethod
+    def list_topics(self) -> list[str]:
+        """All topic names."""
+
+    @abc.abstractmethod
+    def delete_topic(self, name: str) -> None:
+        """Delete ``name`` and its data."""
+
+    @abc.abstractmethod
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        """Per partition, the offset the next record will get."""
+
+    @abc.abstractmethod
+    def group_offsets(self, group: str, topic: str) -> dict[int, int | None]:
+        """Per partition, ``group``'s committed offset on ``topic`` (None where nothing is committed)."""
+
+    def group_lag(self, group: str, topic: str) -> dict[int, int]:
+        """Per partition, end offset minus ``group``'s committed offset (from the start where none)."""
+        ends = self.end_offsets(topic)
+        starts = self.start_offsets(topic)
+        committed = self.group_offsets(group, topic)
+        return {p: end - (committed.get(p) if committed.get(p) is not None else starts.get(p, 0))
+                for p, end in ends.items()}
+
+    @abc.abstractmethod
+    def start_offsets(self, topic: str) -> dict[int, int]:
+        """Per partition, the earliest retained offset."""
+
+    def ensure_run_topics(self, names: "TopicNames", policies: Iterable[str], partitions: int = 4) -> None:
+        """Create every topic of a run: compacted ``weights`` and ``control``, the rest plain."""
+        for topic in (names.prompts, names.outcomes, names.metrics, names.deadletter):
+            self.create_topic(topic, partitions=partitions)
+        for policy in policies:
+            self.create_topic(names.trajectories(policy), partitions=partitions)
+            self.create_topic(names.samples(policy), partitions=partitions)
+        self.create_topic(names.weights, partitions=1, compacted=True)
+        self.create_topic(names.control, partitions=1, compacted=True)
+
+
+class Bus(abc.ABC):
+    """A connection to one bus; makes producers, consumers and an admin."""
+
+    url: str
+
+    @abc.abstractmethod
+    def producer(self, transactional_id: str | None = None) -> Producer:
+        """A producer; with ``transactional_id`` it supports transactions."""
+
+    @abc.abstractmethod
+    def consumer(self, group: str | None, *, read_committed: bool = True,
+                 session_timeout_s: float = 10.0, client_id: str | None = None) -> Consumer:
+        """A consumer in ``group`` (None: no group; use :meth:`Consumer.assign`).
+
+        ``session_timeout_s``: a member silent this long is considered dead and
+        its partitions are reassigned.
+        """
+
+    @abc.abstractmethod
+    def admin(self) -> Admin:
+        """The admin client."""
+
+
+def connect(url: str) -> Bus:
+    """Open the bus at ``url``: ``kafka://host:port`` or ``local://PATH``.
+
+    Raises:
+        BusError: the scheme is unknown or the URL is malformed.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or not rest:
+        raise BusError(f"bus URL {url!r} must look like kafka://host:port or local://PATH")
+    if scheme == "kafka":
+        from topics.kafka import KafkaBus
+
+        return KafkaBus(rest)
+    if scheme == "local":
+        from topics.local import LocalBus
+
+        return LocalBus(rest)
+    raise BusError(f"bus URL {url!r}: unknown scheme {scheme!r} (use kafka:// or local://)")
+
+
+from topics.names import TopicNames  # noqa: E402  (for the ensure_run_topics annotation)

@@ -1,0 +1,65 @@
+"""Run-prefixed topic names (DESIGN.md, "Topics")."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_VALID = re.compile(r"^[A-Za-z0-9._-]+$")
+
+#: Topics that keep only the latest value per key.
+COMPACTED = ("weights", "control")
+
+
+@dataclass(frozen=True)
+class TopicNames:
+    """The topic names of one run: ``<run>.<topic>``.
+
+    Raises:
+        ValueError: ``run`` or a policy name has characters Kafka does not allow.
+    """
+
+    run: str
+
+    def __post_init__(self) -> None:
+        if not _VALID.match(self.run):
+            raise ValueError(f"run name {self.run!r} may only hold letters, digits, '.', '_' and '-'")
+
+    def _name(self, *parts: str) -> str:
+        for p in parts:
+            if not _VALID.match(p):
+                raise ValueError(f"topic name part {p!r} may only hold letters, digits, '.', '_' and '-'")
+        return ".".join((self.run, *parts))
+
+    @property
+    def prompts(self) -> str:
+        return self._name("prompts")
+
+    @property
+    def outcomes(self) -> str:
+        return self._name("outcomes")
+
+    @property
+    def weights(self) -> str:
+        return self._name("weights")
+
+    @property
+    def control(self) -> str:
+        return self._name("control")
+
+    @property
+    def metrics(self) -> str:
+        return self._name("metrics")
+
+    @property
+    def deadletter(self) -> str:
+        return self._name("deadletter")
+
+    def trajectories(self, policy: str) -> str:
+        return self._name("trajectories", policy)
+
+    def samples(self, policy: str) -> str:
+        return self._name("samples", policy)
+
+    def is_compacted(self, topic: str) -> bool:
+        """Whether ``topic`` (a full name of this run) is one of the compacted topics."""
+        return topic in (self.weights, self.control)

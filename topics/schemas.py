@@ -1,0 +1,272 @@
+"""Message schemas: the values carried on AstraFlow topics (DESIGN.md, "Message shapes").
+
+Each schema is a pydantic model, validated when it is built and when it is
+decoded. Numeric per-token arrays are 1-D numpy arrays with a fixed dtype; on
+the wire they travel as raw little-endian buffers (msgpack ``bin``), see
+:mod:`topics.codec`.
+
+Every schema has a class-level ``SCHEMA`` name and ``VERSION``. A reader
+rejects a name it does not expect and a version newer than its own.
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, ClassVar, Literal
+
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
+
+
+def _array_type(dtype: str) -> Any:
+    """An annotated numpy array field of ``dtype``, serialised as little-endian bytes.
+
+    Accepts a numpy array, a list, or ``bytes`` (the wire form). Arrays decoded
+    from bytes are read-only views of the message buffer (no copy).
+
+    Raises:
+        ValueError: the value is not 1-D, or bytes are not a multiple of the item size.
+    """
+    wire = np.dtype(dtype).newbyteorder("<")
+
+    def coerce(value: Any) -> np.ndarray:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            if len(value) % wire.itemsize:
+                raise ValueError(f"{len(value)} bytes is not a whole number of {dtype} items")
+            return np.frombuffer(value, dtype=wire)
+        arr = np.asarray(value)
+        if arr.ndim != 1:
+            raise ValueError(f"expected a 1-D {dtype} array, got shape {arr.shape}")
+        if arr.size and arr.dtype.kind not in "biuf":
+            raise ValueError(f"expected numbers for a {dtype} array, got dtype {arr.dtype}")
+        return np.ascontiguousarray(arr, dtype=wire)
+
+    def to_wire(arr: np.ndarray) -> bytes:
+        return np.ascontiguousarray(arr, dtype=wire).tobytes()
+
+    return Annotated[np.ndarray, BeforeValidator(coerce), PlainSerializer(to_wire, return_type=bytes)]
+
+
+Int32Array = _array_type("int32")
+UInt8Array = _array_type("uint8")
+Float32Array = _array_type("float32")
+
+
+class Message(BaseModel):
+    """Base of all topic messages: strict fields, a schema name and a version."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=False)
+    SCHEMA: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+
+    def routing(self) -> dict[str, str]:
+        """Routing metadata repeated in Kafka headers (DESIGN.md): str -> str."""
+        return {}
+
+
+class Prompt(Message):
+    """One prompt for a rollout. ``prompt_id`` is stable: a hash of source and record index."""
+
+    SCHEMA: ClassVar[str] = "Prompt"
+    prompt_id: str = Field(min_length=1)
+    source: str = Field(min_length=1)
+    task_type: str = Field(min_length=1, description="math, code, arith, ...")
+    messages: list[dict[str, str]] | None = Field(default=None, description="chat turns {role, content}")
+    text: str | None = None
+    answer: str | None = Field(default=None, description="gold answer for math tasks")
+    tests: str | None = Field(default=None, description="test code for code tasks")
+    entry_point: str | None = None
+    workflow: str = "single_turn"
+    n_samples: int = Field(default=8, ge=1, description="G, samples per group")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "Prompt":
+        if not self.messages and not self.text:
+            raise ValueError("a Prompt needs `messages` or `text`")
+        for i, turn in enumerate(self.messages or []):
+            if "role" not in turn or "content" not in turn:
+                raise ValueError(f"messages[{i}] needs `role` and `content`")
+        return self
+
+    def routing(self) -> dict[str, str]:
+        return {"task_type": self.task_type, "workflow": self.workflow}
+
+
+class Sample(BaseModel):
+    """One trajectory of a group. All arrays have the same length L (tokens).
+
+    - ``input_ids`` int32[L]: prompt and generated tokens.
+    - ``loss_mask`` uint8[L]: 1 on tokens this policy generated.
+    - ``behavior_logprobs`` float32[L]: log-probability of each token under the
+      weights that sampled it (0 where ``loss_mask`` is 0).
+    - ``versions`` int32[L]: weight version that produced each token, -1 on prompt tokens.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    input_ids: Int32Array
+    loss_mask: UInt8Array
+    behavior_logprobs: Float32Array
+    versions: Int32Array
+    reward: float
+    finish_reason: str = "stop"
+    turns: int = Field(default=1, ge=0)
+
+    @model_validator(mode="after")
+    def _same_length(self) -> "Sample":
+        n = len(self.input_ids)
+        for name in ("loss_mask", "behavior_logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has length {len(getattr(self, name))}, input_ids has {n}")
+        if not np.isfinite(self.reward):
+            raise ValueError(f"reward must be finite, got {self.reward}")
+        return self
+
+
+class TrajectoryGroup(Message):
+    """G samples for one prompt and one policy, with the group's reward statistics."""
+
+    SCHEMA: ClassVar[str] = "TrajectoryGroup"
+    prompt_id: str = Field(min_length=1)
+    group_id: str = Field(min_length=1, description="unique per rollout; the de-duplication key")
+    policy: str = Field(min_length=1)
+    source: str = ""
+    task_type: str = ""
+    workflow: str = "single_turn"
+    samples: list[Sample] = Field(min_length=1)
+    reward_mean: float
+    reward_std: float
+    zero_adv: bool
+    producer_id: str = ""
+    created_ts: float = Field(default_factory=time.time, description="seconds since the epoch")
+    min_version: int
+    max_version: int
+
+    @model_validator(mode="after")
+    def _versions(self) -> "TrajectoryGroup":
+        if self.min_version > self.max_version:
+            raise ValueError(f"min_version {self.min_version} > max_version {self.max_version}")
+        return self
+
+    @classmethod
+    def build(cls, *, samples: list[Sample], **fields: Any) -> "TrajectoryGroup":
+        """Build a group, deriving reward mean/std, ``zero_adv`` and the version range from ``samples``.
+
+        The version range covers generated tokens (``versions >= 0``); a group
+        with none gets ``min_version = max_version = -1``.
+        """
+        rewards = np.array([s.reward for s in samples], dtype=np.float64)
+        gen = [s.versions[s.versions >= 0] for s in samples]
+        gen = np.concatenate(gen) if gen else np.zeros(0, np.int32)
+        return cls(
+            samples=samples,
+            reward_mean=float(rewards.mean()),
+            reward_std=float(rewards.std()),
+            zero_adv=bool(np.all(rewards == rewards[0])),
+            min_version=int(gen.min()) if gen.size else -1,
+            max_version=int(gen.max()) if gen.size else -1,
+            **fields,
+        )
+
+    def routing(self) -> dict[str, str]:
+        return {
+            "policy": self.policy,
+            "model_version_min": str(self.min_version),
+            "model_version_max": str(self.max_version),
+            "task_type": self.task_type,
+            "producer_id": self.producer_id,
+            "zero_adv": "1" if self.zero_adv else "0",
+        }
+
+
+class RolloutOutcome(Message):
+    """The rewards of one group, for curators and dashboards (no tokens)."""
+
+    SCHEMA: ClassVar[str] = "RolloutOutcome"
+    prompt_id: str = Field(min_length=1)
+    group_id: str = Field(min_length=1)
+    policy: str = Field(min_length=1)
+    rewards: list[float] = Field(min_length=1)
+    zero_adv: bool
+    version: int
+    source: str = ""
+    task_type: str = ""
+    producer_id: str = ""
+    ts: float = Field(default_factory=time.time)
+
+    def routing(self) -> dict[str, str]:
+        return {"policy": self.policy, "model_version_min": str(self.version),
+                "model_version_max": str(self.version), "task_type": self.task_type,
+                "producer_id": self.producer_id, "zero_adv": "1" if self.zero_adv else "0"}
+
+
+class WeightAnnouncement(Message):
+    """A new weight version is durable in the object store."""
+
+    SCHEMA: ClassVar[str] = "WeightAnnouncement"
+    policy: str = Field(min_length=1)
+    version: int = Field(ge=0)
+    base_version: int | None = Field(default=None, description="the version a delta applies to; None for full")
+    kind: Literal["delta", "full"]
+    uri: str = Field(min_length=1)
+    bytes: int = Field(ge=0, description="size of the stored object, bytes")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the resulting full parameter bytes")
+    sparsity: float = Field(ge=0.0, le=1.0, description="fraction of elements unchanged vs base_version")
+    reason: str = ""
+    created_ts: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _base(self) -> "WeightAnnouncement":
+        if self.kind == "delta" and (self.base_version is None or self.base_version >= self.version):
+            raise ValueError(f"a delta needs base_version < version, got {self.base_version} -> {self.version}")
+        return self
+
+    def routing(self) -> dict[str, str]:
+        return {"policy": self.policy, "model_version_min": str(self.version),
+                "model_version_max": str(self.version)}
+
+
+class Control(Message):
+    """An operator or controller command for a component (compacted by component id)."""
+
+    SCHEMA: ClassVar[str] = "Control"
+    component: str = Field(min_length=1)
+    action: Literal["pause", "resume", "target_replicas", "barrier", "stop"]
+    value: int | None = None
+    policy: str | None = None
+    ts: float = Field(default_factory=time.time)
+
+
+class Metric(Message):
+    """A metrics record from one component: flat name -> number."""
+
+    SCHEMA: ClassVar[str] = "Metric"
+    component: str = Field(min_length=1)
+    kind: str = Field(default="", description="trainer, raas, policy, ...")
+    policy: str | None = None
+    step: int | None = None
+    values: dict[str, float]
+    ts: float = Field(default_factory=time.time)
+
+    def routing(self) -> dict[str, str]:
+        return {"policy": self.policy} if self.policy else {}
+
+
+class DeadLetter(Message):
+    """A message a consumer rejected: its raw bytes, the error and where it came from."""
+
+    SCHEMA: ClassVar[str] = "DeadLetter"
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None = None
+    value: bytes | None = None
+    headers: dict[str, bytes] = Field(default_factory=dict)
+    error: str
+    consumer_group: str = ""
+    ts: float = Field(default_factory=time.time)
+
+
+SCHEMAS: dict[str, type[Message]] = {
+    cls.SCHEMA: cls
+    for cls in (Prompt, TrajectoryGroup, RolloutOutcome, WeightAnnouncement, Control, Metric, DeadLetter)
+}
