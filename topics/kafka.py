@@ -1,0 +1,427 @@
+"""The Kafka backend of the bus API, through confluent-kafka (librdkafka).
+
+Records carry already-compressed values (zstd, see :mod:`topics.codec`), so the
+producer does not compress again. Producers are idempotent with ``acks=all``.
+Consumers never auto-commit: offsets are committed explicitly, after the work
+is durable.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Iterable, Mapping
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer as _Consumer,
+    KafkaError,
+    KafkaException,
+    Producer as _Producer,
+    TopicPartition as _TP,
+)
+from confluent_kafka.admin import (
+    AdminClient,
+    ConfigResource,
+    NewTopic,
+    OffsetSpec,
+)
+from confluent_kafka import ConsumerGroupTopicPartitions
+
+from topics.bus import (
+    Admin,
+    Bus,
+    BusError,
+    Consumer,
+    DeliveryError,
+    Headers,
+    Producer,
+    Record,
+    TopicInfo,
+    TopicPartition,
+    offsets_after,
+)
+
+log = logging.getLogger(__name__)
+
+#: Largest record value we produce or accept on our topics (bytes).
+MAX_MESSAGE_BYTES = 64 << 20
+_INVALID_OFFSET = -1001
+
+
+def _tp(tp: TopicPartition, offset: int = _INVALID_OFFSET) -> _TP:
+    return _TP(tp.topic, tp.partition, offset)
+
+
+def _headers(headers: Headers | None) -> list[tuple[str, bytes]] | None:
+    if not headers:
+        return None
+    return [(k, v.encode() if isinstance(v, str) else bytes(v)) for k, v in headers.items()]
+
+
+def _check_result(what: str, result: Iterable[_TP]) -> None:
+    for tp in result:
+        if tp.error is not None:
+            raise BusError(f"{what} failed for {tp.topic}[{tp.partition}]: {tp.error}")
+
+
+class KafkaProducer(Producer):
+    """A confluent-kafka producer (idempotent, ``acks=all``); transactional with ``transactional_id``."""
+
+    def __init__(self, bootstrap: str, transactional_id: str | None = None):
+        conf = {
+            "bootstrap.servers": bootstrap,
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 5,
+            "compression.type": "none",
+            "message.max.bytes": MAX_MESSAGE_BYTES,
+            "queue.buffering.max.kbytes": 1 << 20,
+        }
+        if transactional_id:
+            conf["transactional.id"] = transactional_id
+        self._p = _Producer(conf)
+        self._failures: list[tuple[str, bytes | None, str]] = []
+        self._transactional = bool(transactional_id)
+        if self._transactional:
+            try:
+                self._p.init_transactions(30)
+            except KafkaException as e:
+                raise BusError(f"cannot initialise transactions for {transactional_id!r} on {bootstrap}: {e}") from None
+
+    def _on_delivery(self, err, msg) -> None:
+        if err is not None:
+            self._failures.append((msg.topic(), msg.key(), str(err)))
+
+    def send(self, topic, value, key=None, headers=None, partition=None) -> None:
+        kwargs = {"on_delivery": self._on_delivery, "headers": _headers(headers)}
+        if partition is not None:
+            kwargs["partition"] = partition
+        key = key.encode() if isinstance(key, str) else key
+        for _ in range(600):
+            try:
+                self._p.produce(topic, value, key, **kwargs)
+                break
+            except BufferError:  # local queue full: serve delivery reports, then retry
+                self._p.poll(0.1)
+            except KafkaException as e:
+                raise BusError(f"cannot send to {topic}: {e}") from None
+        else:
+            raise BusError(f"cannot send to {topic}: the producer queue stayed full for 60 s")
+        self._p.poll(0)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        left = self._p.flush(timeout_s)
+        self._raise_failures()
+        if left:
+            raise BusError(f"{left} record(s) still unacknowledged after {timeout_s} s")
+
+    def _raise_failures(self) -> None:
+        if self._failures:
+            failures, self._failures = self._failures, []
+            raise DeliveryError(failures)
+
+    def begin_transaction(self) -> None:
+        try:
+            self._p.begin_transaction()
+        except KafkaException as e:
+            raise BusError(f"cannot begin a transaction: {e}") from None
+
+    def commit_transaction(self, consumer=None, offsets=None, timeout_s: float = 30.0) -> None:
+        try:
+            if consumer is not None and offsets:
+                assert isinstance(consumer, KafkaConsumer), "offsets must come from a Kafka consumer"
+                self._p.send_offsets_to_transaction(
+                    [_tp(tp, off) for tp, off in offsets.items()],
+                    consumer._c.consumer_group_metadata(),
+                    timeout_s,
+                )
+            self._p.commit_transaction(timeout_s)
+            self._raise_failures()
+        except KafkaException as e:
+            self.abort_transaction(timeout_s)
+            raise BusError(f"transaction aborted: {e}") from None
+
+    def abort_transaction(self, timeout_s: float = 30.0) -> None:
+        try:
+            self._p.abort_transaction(timeout_s)
+        except KafkaException as e:
+            raise BusError(f"cannot abort the transaction: {e}") from None
+        finally:
+            self._failures.clear()
+
+    def close(self) -> None:
+        if not self._transactional:
+            self.flush()
+
+
+class KafkaConsumer(Consumer):
+    """A confluent-kafka consumer: manual commits, pending seeks applied on assignment."""
+
+    def __init__(self, bootstrap: str, group: str | None, read_committed: bool = True,
+                 session_timeout_s: float = 10.0, client_id: str | None = None):
+        self.group = group
+        session_ms = int(session_timeout_s * 1000)
+        self._c = _Consumer({
+            "bootstrap.servers": bootstrap,
+            "group.id": group or f"astraflow-free-{uuid.uuid4().hex}",
+            "client.id": client_id or f"astraflow-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed" if read_committed else "read_uncommitted",
+            "session.timeout.ms": session_ms,
+            "heartbeat.interval.ms": max(100, session_ms // 4),
+            "max.poll.interval.ms": max(session_ms, 300_000),
+            "topic.metadata.refresh.interval.ms": 2000,
+            "fetch.wait.max.ms": 50,
+        })
+        self._assigned: set[TopicPartition] = set()
+        self._paused: set[TopicPartition] = set()
+        self._pending: dict[TopicPartition, int] = {}  # partition -> offset to seek to
+        self._on_assign_seek: tuple[str, int] | None = None  # ("beginning"|"ts", ms) for future partitions
+        self._subscribed = False
+
+    # membership
+    def subscribe(self, topics: list[str]) -> None:
+        self._subscribed = True
+        self._c.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
+                          on_lost=self._on_revoke)
+
+    def _on_assign(self, consumer, partitions: list[_TP]) -> None:
+        tps = [TopicPartition(p.topic, p.partition) for p in partitions]
+        self._resolve_default_seek(tps)
+        for p, tp in zip(partitions, tps):
+            if tp in self._pending:
+                p.offset = self._pending.pop(tp)
+        consumer.assign(partitions)
+        self._assigned = set(tps)
+        if self._paused & self._assigned:
+            consumer.pause([_tp(tp) for tp in self._paused & self._assigned])
+
+    def _on_revoke(self, consumer, partitions: list[_TP]) -> None:
+        for p in partitions:
+            self._assigned.discard(TopicPartition(p.topic, p.partition))
+
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        self._resolve_default_seek(partitions)
+        self._c.assign([_tp(tp, self._pending.pop(tp, _INVALID_OFFSET)) for tp in partitions])
+        self._assigned = set(partitions)
+
+    def assignment(self) -> list[TopicPartition]:
+        return sorted(self._assigned)
+
+    def _resolve_default_seek(self, tps: list[TopicPartition]) -> None:
+        if self._on_assign_seek is None:
+            return
+        kind, ts = self._on_assign_seek
+        self._on_assign_seek = None
+        if kind == "beginning":
+            for tp in tps:
+                self._pending.setdefault(tp, OFFSET_BEGINNING)
+        else:
+            for tp, off in self._offsets_for_time(tps, ts).items():
+                self._pending.setdefault(tp, off)
+
+    # reading
+    def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        self._apply_pending()
+        deadline = time.monotonic() + timeout_s
+        out: list[Record] = []
+        while not out:
+            left = deadline - time.monotonic()
+            msgs = self._c.consume(num_messages=max_records, timeout=max(0.0, left))
+            for m in msgs:
+                err = m.error()
+                if err is not None:
+                    if err.fatal() or err.code() not in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART,
+                                                          KafkaError._TRANSPORT):
+                        raise BusError(f"consume failed: {err}")
+                    continue
+                ts_type, ts = m.timestamp()
+                out.append(Record(m.topic(), m.partition(), m.offset(), m.key(), m.value(),
+                                  {k: v for k, v in (m.headers() or [])}, ts))
+            if self._pending:
+                self._apply_pending()
+            if left <= 0:
+                break
+        return out
+
+    def _apply_pending(self) -> None:
+        for tp in [tp for tp in self._pending if tp in self._assigned]:
+            try:
+                self._c.seek(_tp(tp, self._pending[tp]))
+                del self._pending[tp]
+            except KafkaException:
+                pass  # not fetchable yet right after assignment; retried on the next poll
+
+    def commit(self, offsets) -> None:
+        if not isinstance(offsets, Mapping):
+            offsets = offsets_after(offsets)
+        if not offsets:
+            return
+        try:
+            result = self._c.commit(offsets=[_tp(tp, off) for tp, off in offsets.items()], asynchronous=False)
+        except KafkaException as e:
+            raise BusError(f"commit refused for group {self.group}: {e}") from None
+        _check_result("commit", result or [])
+
+    def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:
+        try:
+            result = self._c.committed([_tp(tp) for tp in partitions], timeout=10)
+        except KafkaException as e:
+            raise BusError(f"cannot read committed offsets of group {self.group}: {e}") from None
+        return {TopicPartition(p.topic, p.partition): (p.offset if p.offset >= 0 else None) for p in result}
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        self._paused |= set(partitions)
+        owned = [_tp(tp) for tp in partitions if tp in self._assigned]
+        if owned:
+            self._c.pause(owned)
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        self._paused -= set(partitions)
+        owned = [_tp(tp) for tp in partitions if tp in self._assigned]
+        if owned:
+            self._c.resume(owned)
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._pending[tp] = offset
+        self._apply_pending()
+
+    def seek_to_beginning(self, partitions: list[TopicPartition] | None = None) -> None:
+        if partitions is None and not self._assigned:
+            self._on_assign_seek = ("beginning", 0)
+            return
+        for tp in partitions if partitions is not None else self.assignment():
+            self._pending[tp] = OFFSET_BEGINNING
+        self._apply_pending()
+
+    def seek_to_timestamp(self, timestamp_ms: int, partitions: list[TopicPartition] | None = None) -> None:
+        if partitions is None and not self._assigned:
+            self._on_assign_seek = ("ts", timestamp_ms)
+            return
+        tps = partitions if partitions is not None else self.assignment()
+        self._pending.update(self._offsets_for_time(tps, timestamp_ms))
+        self._apply_pending()
+
+    def _offsets_for_time(self, tps: list[TopicPartition], timestamp_ms: int) -> dict[TopicPartition, int]:
+        result = self._c.offsets_for_times([_tp(tp, timestamp_ms) for tp in tps], timeout=10)
+        out = {}
+        for p in result:
+            tp = TopicPartition(p.topic, p.partition)
+            # -1: no record at or after the time: start at the end.
+            out[tp] = p.offset if p.offset >= 0 else self._c.get_watermark_offsets(_tp(tp), timeout=10)[1]
+        return out
+
+    def lag(self) -> dict[TopicPartition, int]:
+        tps = self.assignment()
+        committed = self.committed(tps) if tps else {}
+        out = {}
+        for tp in tps:
+            low, high = self._c.get_watermark_offsets(_tp(tp), timeout=10, cached=False)
+            out[tp] = high - (committed[tp] if committed.get(tp) is not None else low)
+        return out
+
+    def close(self) -> None:
+        self._c.close()
+
+
+class KafkaAdmin(Admin):
+    """Topic administration and group offsets through confluent-kafka's AdminClient."""
+
+    def __init__(self, bootstrap: str):
+        self._a = AdminClient({"bootstrap.servers": bootstrap})
+        self._bootstrap = bootstrap
+
+    def create_topic(self, name, partitions=1, compacted=False, retention_ms=None, config=None) -> None:
+        conf = {"max.message.bytes": str(MAX_MESSAGE_BYTES)}
+        if compacted:
+            conf["cleanup.policy"] = "compact"
+        if retention_ms is not None:
+            conf["retention.ms"] = str(retention_ms)
+        conf.update({k: str(v) for k, v in (config or {}).items()})
+        fut = self._a.create_topics([NewTopic(name, num_partitions=partitions, config=conf)])[name]
+        try:
+            fut.result(30)
+        except KafkaException as e:
+            if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise BusError(f"cannot create topic {name}: {e}") from None
+        self._wait_for_leaders(name)
+
+    def _wait_for_leaders(self, name: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            md = self._a.list_topics(name, timeout=10).topics.get(name)
+            if md is not None and md.error is None and md.partitions and all(
+                    p.leader >= 0 for p in md.partitions.values()):
+                return
+            time.sleep(0.1)
+        raise BusError(f"topic {name} has no leader for every partition after {timeout_s} s")
+
+    def describe_topic(self, name: str) -> TopicInfo:
+        md = self._a.list_topics(name, timeout=10).topics.get(name)
+        if md is None or md.error is not None:
+            raise BusError(f"topic {name} does not exist on {self._bootstrap}")
+        res = ConfigResource(ConfigResource.Type.TOPIC, name)
+        try:
+            entries = self._a.describe_configs([res])[res].result(30)
+        except KafkaException as e:
+            raise BusError(f"cannot describe topic {name}: {e}") from None
+        return TopicInfo(name, len(md.partitions), {k: str(v.value) for k, v in entries.items()})
+
+    def list_topics(self) -> list[str]:
+        return sorted(t for t in self._a.list_topics(timeout=10).topics if not t.startswith("__"))
+
+    def delete_topic(self, name: str) -> None:
+        try:
+            self._a.delete_topics([name])[name].result(30)
+        except KafkaException as e:
+            if e.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise BusError(f"cannot delete topic {name}: {e}") from None
+
+    def _partitions(self, topic: str) -> list[int]:
+        md = self._a.list_topics(topic, timeout=10).topics.get(topic)
+        if md is None or md.error is not None:
+            raise BusError(f"topic {topic} does not exist on {self._bootstrap}")
+        return sorted(md.partitions)
+
+    def _list_offsets(self, topic: str, spec: OffsetSpec) -> dict[int, int]:
+        req = {_TP(topic, p): spec for p in self._partitions(topic)}
+        try:
+            result = self._a.list_offsets(req, request_timeout=30)
+            return {tp.partition: fut.result(30).offset for tp, fut in result.items()}
+        except KafkaException as e:
+            raise BusError(f"cannot list offsets of {topic}: {e}") from None
+
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        return self._list_offsets(topic, OffsetSpec.latest())
+
+    def start_offsets(self, topic: str) -> dict[int, int]:
+        return self._list_offsets(topic, OffsetSpec.earliest())
+
+    def group_offsets(self, group: str, topic: str) -> dict[int, int | None]:
+        parts = self._partitions(topic)
+        req = ConsumerGroupTopicPartitions(group, [_TP(topic, p) for p in parts])
+        try:
+            res = self._a.list_consumer_group_offsets([req])[group].result(30)
+        except KafkaException as e:
+            raise BusError(f"cannot read offsets of group {group}: {e}") from None
+        return {tp.partition: (tp.offset if tp.offset >= 0 else None) for tp in res.topic_partitions}
+
+
+class KafkaBus(Bus):
+    """The bus on an Apache Kafka cluster at ``bootstrap`` (``host:port[,host:port]``)."""
+
+    def __init__(self, bootstrap: str):
+        self.bootstrap = bootstrap
+        self.url = f"kafka://{bootstrap}"
+
+    def producer(self, transactional_id: str | None = None) -> KafkaProducer:
+        return KafkaProducer(self.bootstrap, transactional_id)
+
+    def consumer(self, group, *, read_committed=True, session_timeout_s=10.0, client_id=None) -> KafkaConsumer:
+        return KafkaConsumer(self.bootstrap, group, read_committed, session_timeout_s, client_id)
+
+    def admin(self) -> KafkaAdmin:
+        return KafkaAdmin(self.bootstrap)
