@@ -1,0 +1,36 @@
+"""Shared test fixtures.
+
+``bus_url`` runs a test once per bus backend: the embedded ``local://`` bus in a
+temporary directory, and the real Kafka broker at ``$ASTRAFLOW_TEST_KAFKA``
+(default 127.0.0.1:9092; CI starts it with ``scripts/kafka-local.sh start``).
+A missing broker fails the Kafka tests: it is never skipped.
+"""
+import os
+import socket
+
+import pytest
+
+KAFKA = os.environ.get("ASTRAFLOW_TEST_KAFKA", "127.0.0.1:9092")
+
+
+def _require_kafka() -> str:
+    host, port = KAFKA.split(",")[0].rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except OSError as e:
+        pytest.fail(f"no Kafka broker at {KAFKA} ({e}); start one with scripts/kafka-local.sh start")
+    return f"kafka://{KAFKA}"
+
+
+@pytest.fixture
+def kafka_url() -> str:
+    """The test broker's bus URL."""
+    return _require_kafka()
+
+
+@pytest.fixture(params=["local", "kafka"])
+def bus_url(request, tmp_path) -> str:
+    """A bus URL per backend: ``local://<tmp>`` and ``kafka://<test broker>``."""
+    if request.param == "local":
+        return f"local://{tmp_path / 'bus'}"
+    return _require_kafka()
