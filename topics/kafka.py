@@ -50,7 +50,7 @@ _INVALID_OFFSET = -1001
 
 
 def _tp(tp: TopicPartition, offset: int = _INVALID_OFFSET) -> _TP:
-    return _TP(tp.topic, tp.partition, offset)
+    return _TP(tp[0], tp[1], offset)
 
 
 def _headers(headers: Headers | None) -> list[tuple[str, bytes]] | None:
@@ -204,6 +204,7 @@ class KafkaConsumer(Consumer):
             self._assigned.discard(TopicPartition(p.topic, p.partition))
 
     def assign(self, partitions: list[TopicPartition]) -> None:
+        partitions = [TopicPartition(*tp) for tp in partitions]
         self._resolve_default_seek(partitions)
         self._c.assign([_tp(tp, self._pending.pop(tp, _INVALID_OFFSET)) for tp in partitions])
         self._assigned = set(partitions)
