@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Run the whole test suite. Installs .venv if needed and starts a local Kafka
+# broker (scripts/kafka-local.sh) when none answers on 127.0.0.1:${KAFKA_PORT:-9092};
+# a broker this script started is stopped at the end.
+#   scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+scripts/install.sh dev
+started=0
+if ! scripts/kafka-local.sh status >/dev/null 2>&1; then
+  scripts/kafka-local.sh start
+  started=1
+fi
+cleanup() { if [ "$started" = 1 ]; then scripts/kafka-local.sh stop || true; fi; }
+trap cleanup EXIT
+export ASTRAFLOW_TEST_KAFKA="127.0.0.1:${KAFKA_PORT:-9092}"
+.venv/bin/python -m pytest "$@"
