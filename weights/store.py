@@ -1,0 +1,212 @@
+"""The versioned weight object store (DESIGN.md, "Weights").
+
+Objects live at ``<run>/<policy>/<version:08d>/{delta.zst,full.safetensors}``
+under a root URI, through obstore:
+
+- ``file:///abs/dir``: a local directory (the default is ``<run dir>/weights``).
+  obstore's local put writes a staging file next to the target and renames it
+  into place, so a reader sees the whole object or none.
+- ``s3://bucket/prefix``: any S3-compatible endpoint. Endpoint, region and
+  credentials come from the standard ``AWS_*`` environment variables
+  (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...) or from ``options``. An S3
+  PUT (and a completed multipart upload) is atomic.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import obstore
+from obstore.exceptions import NotFoundError
+from obstore.store import from_url
+
+Kind = Literal["delta", "full"]
+#: Object file name of each kind.
+FILENAMES: dict[str, str] = {"delta": "delta.zst", "full": "full.safetensors"}
+_KEY = re.compile(r"^(?P<policy>[^/]+)/(?P<version>\d{8})/(?P<file>delta\.zst|full\.safetensors)$")
+
+
+class StoreError(RuntimeError):
+    """An object-store operation failed (network, permissions, bad URI)."""
+
+
+class ObjectMissing(StoreError):
+    """The object does not exist (never written, deleted by retention, or not yet visible)."""
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """One weight object: its policy, version, kind, key (relative to the store root) and size in bytes."""
+
+    policy: str
+    version: int
+    kind: Kind
+    key: str
+    size: int
+
+
+class WeightStore:
+    """Weight objects of one run under a root URI.
+
+    Args:
+        uri: ``file:///abs/dir`` or ``s3://bucket[/prefix]``.
+        run: the run name (first path component of every key).
+        options: obstore config for S3 (``endpoint``, ``region``,
+            ``access_key_id``, ``secret_access_key``, ...); environment
+            variables fill in what is not given. An ``http://`` endpoint turns
+            on ``allow_http``.
+
+    Raises:
+        StoreError: the URI scheme is not ``file`` or ``s3``, or a ``file`` path is not absolute.
+    """
+
+    def __init__(self, uri: str, run: str, **options: Any):
+        scheme, sep, rest = uri.partition("://")
+        if not sep or scheme not in ("file", "s3") or not rest:
+            raise StoreError(f"weight store URI {uri!r} must be file:///abs/dir or s3://bucket/prefix")
+        if "/" in run or not run:
+            raise StoreError(f"run name {run!r} must be a non-empty path component")
+        self.uri, self.run = uri.rstrip("/"), run
+        try:
+            if scheme == "file":
+                if not rest.startswith("/"):
+                    raise StoreError(f"weight store URI {uri!r}: a file:// path must be absolute")
+                Path(rest).mkdir(parents=True, exist_ok=True)
+                self._store = from_url(uri, mkdir=True)
+            else:
+                client = {"allow_http": True} if str(options.get("endpoint", "")).startswith("http://") else None
+                self._store = from_url(uri, config=options or None, client_options=client)
+        except StoreError:
+            raise
+        except Exception as e:
+            raise StoreError(f"weight store {uri!r}: cannot open ({type(e).__name__}: {e})") from None
+
+    @staticmethod
+    def default_uri(run_dir: str | Path) -> str:
+        """The default store of a run: ``file://<run_dir>/weights`` (absolute)."""
+        return f"file://{Path(run_dir).resolve() / 'weights'}"
+
+    def key(self, policy: str, version: int, kind: Kind) -> str:
+        """The key of an object: ``<run>/<policy>/<version:08d>/<file>``."""
+        if kind not in FILENAMES:
+            raise ValueError(f"kind must be 'delta' or 'full', got {kind!r}")
+        return f"{self.run}/{policy}/{version:08d}/{FILENAMES[kind]}"
+
+    def uri_of(self, key: str) -> str:
+        """The full URI of ``key`` (what an announcement carries)."""
+        return f"{self.uri}/{key}"
+
+    def key_of(self, uri: str) -> str:
+        """Inverse of :meth:`uri_of`.
+
+        Raises:
+            StoreError: ``uri`` is not under this store's root.
+        """
+        if not uri.startswith(self.uri + "/"):
+            raise StoreError(f"object URI {uri!r} is not under this store ({self.uri})")
+        return uri[len(self.uri) + 1:]
+
+    def put(self, key: str, data: bytes | Path) -> None:
+        """Write ``data`` (bytes, or a local file streamed in parts) to ``key`` atomically.
+
+        Raises:
+            StoreError: the write failed; no partial object is visible.
+        """
+        try:
+            obstore.put(self._store, key, data)
+        except Exception as e:
+            raise StoreError(f"put {self.uri_of(key)} failed ({type(e).__name__}: {e})") from None
+
+    def get(self, key: str, start: int | None = None, length: int | None = None) -> bytes:
+        """Read object ``key`` (or ``length`` bytes from ``start``).
+
+        Raises:
+            ObjectMissing: no such object.
+            StoreError: any other failure.
+        """
+        try:
+            if start is None:
+                return obstore.get(self._store, key).bytes().to_bytes()
+            return obstore.get_range(self._store, key, start=start, length=length).to_bytes()
+        except NotFoundError:
+            raise ObjectMissing(f"weight object {self.uri_of(key)} does not exist") from None
+        except FileNotFoundError:
+            raise ObjectMissing(f"weight object {self.uri_of(key)} does not exist") from None
+        except Exception as e:
+            raise StoreError(f"get {self.uri_of(key)} failed ({type(e).__name__}: {e})") from None
+
+    def download(self, key: str, path: Path) -> int:
+        """Stream object ``key`` into the local file ``path``; returns its size in bytes.
+
+        Raises:
+            ObjectMissing, StoreError: as :meth:`get`.
+        """
+        try:
+            size = 0
+            with open(path, "wb") as f:
+                for chunk in obstore.get(self._store, key):
+                    f.write(chunk)
+                    size += len(chunk)
+            return size
+        except NotFoundError:
+            raise ObjectMissing(f"weight object {self.uri_of(key)} does not exist") from None
+        except Exception as e:
+            raise StoreError(f"download {self.uri_of(key)} failed ({type(e).__name__}: {e})") from None
+
+    def objects(self, policy: str) -> list[StoredObject]:
+        """Every weight object of ``policy``, sorted by (version, kind).
+
+        Raises:
+            StoreError: the listing failed.
+        """
+        out = []
+        prefix = f"{self.run}/{policy}/"
+        try:
+            for batch in obstore.list(self._store, prefix):
+                for meta in batch:
+                    m = _KEY.match(meta["path"][len(self.run) + 1:])
+                    if m and m["policy"] == policy:
+                        kind = "delta" if m["file"] == FILENAMES["delta"] else "full"
+                        out.append(StoredObject(policy, int(m["version"]), kind, meta["path"], int(meta["size"])))
+        except Exception as e:
+            raise StoreError(f"list {self.uri}/{prefix} failed ({type(e).__name__}: {e})") from None
+        return sorted(out, key=lambda o: (o.version, o.kind))
+
+    def versions(self, policy: str) -> dict[int, dict[str, StoredObject]]:
+        """``{version: {kind: object}}`` for ``policy``, ascending by version."""
+        out: dict[int, dict[str, StoredObject]] = {}
+        for o in self.objects(policy):
+            out.setdefault(o.version, {})[o.kind] = o
+        return out
+
+    def retain(self, policy: str, keep: int) -> list[str]:
+        """Delete objects no live chain needs; returns the deleted keys.
+
+        The newest ``keep`` versions are retained. So is the newest full
+        snapshot at or below the oldest retained version, and every object
+        after it, so that every retained version stays reachable as "full
+        snapshot + deltas". Without such a snapshot nothing is deleted.
+
+        Raises:
+            ValueError: ``keep`` < 1.
+            StoreError: listing or deleting failed.
+        """
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        versions = self.versions(policy)
+        ordered = sorted(versions)
+        if len(ordered) <= keep:
+            return []
+        oldest_kept = ordered[-keep]
+        fulls = [v for v in ordered if v <= oldest_kept and "full" in versions[v]]
+        if not fulls:
+            return []
+        doomed = [o.key for v in ordered if v < fulls[-1] for o in versions[v].values()]
+        if doomed:
+            try:
+                obstore.delete(self._store, doomed)
+            except Exception as e:
+                raise StoreError(f"delete under {self.uri}/{self.run}/{policy} failed ({type(e).__name__}: {e})") from None
+        return doomed
