@@ -1,0 +1,133 @@
+"""The policy registry and config loading (DESIGN.md, step 9 "Compose").
+
+A run's config lists policies in order, each an entry ``{"name": ..., **params}``.
+``name`` is either a registered name (``"greso"``, ``"filter_zero_adv"``, ...)
+or ``"package.module:Class"``, a user's own class imported with importlib
+from the user's code (the module must be importable, i.e. on ``sys.path``).
+
+Example::
+
+    filters = build_chain([{"name": "filter_zero_adv"},
+                           {"name": "filter_length", "max_tokens": 4096}], Filter)
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable, Iterable, Mapping, TypeVar
+
+from policies.base import Curator, Filter, Policy, PolicyConfigError, ServingPolicy
+
+P = TypeVar("P", bound=type)
+
+_REGISTRY: dict[str, type[Policy]] = {}
+_BUILTIN_MODULES = ("policies.curators", "policies.filters", "policies.replay", "policies.mix",
+                    "policies.staleness")
+_KINDS: tuple[type[Policy], ...] = (Curator, Filter, ServingPolicy)
+
+
+def register_policy(name: str) -> Callable[[P], P]:
+    """Class decorator: register a policy class under ``name`` (and set ``cls.name``).
+
+    Raises:
+        ValueError: ``name`` is already taken by another class, or contains ``:``.
+    """
+
+    def deco(cls: P) -> P:
+        if ":" in name:
+            raise ValueError(f"policy name {name!r} may not contain ':' (reserved for module:Class)")
+        old = _REGISTRY.get(name)
+        if old is not None and old.__qualname__ != cls.__qualname__:
+            raise ValueError(f"policy name {name!r} is already registered to {old.__module__}.{old.__qualname__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def known_policies() -> list[str]:
+    """The registered policy names, sorted."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def resolve_policy(name: str) -> type[Policy]:
+    """The class for ``name``: a registered name or ``module:Class``.
+
+    Raises:
+        PolicyConfigError: unknown name (the message lists the known ones), a
+            module that cannot be imported, a missing attribute, or something
+            that is not a policy class.
+    """
+    if not isinstance(name, str) or not name:
+        raise PolicyConfigError(repr(name), "a policy entry needs a non-empty string `name`")
+    if ":" not in name:
+        _load_builtins()
+        cls = _REGISTRY.get(name)
+        if cls is None:
+            raise PolicyConfigError(name, f"unknown policy; known: {', '.join(known_policies())} "
+                                          "(or name your own class as module:Class)")
+        return cls
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise PolicyConfigError(name, f"cannot import module {module_name!r}: {e}") from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise PolicyConfigError(name, f"module {module_name!r} has no attribute {attr!r}")
+    if not (inspect.isclass(cls) and issubclass(cls, Policy)):
+        raise PolicyConfigError(name, f"{attr!r} is not a subclass of policies.base.Policy "
+                                      "(subclass Curator, Filter or ServingPolicy)")
+    return cls
+
+
+def build_policy(spec: Mapping[str, Any]) -> Policy:
+    """Instantiate one policy from its config entry ``{"name": ..., **params}``.
+
+    Raises:
+        PolicyConfigError: unknown name, an unknown or missing parameter, or a
+            parameter value the policy rejects (the error names both).
+    """
+    if not isinstance(spec, Mapping):
+        raise PolicyConfigError(repr(spec), "a policy entry must be a mapping {name: ..., **params}")
+    params = dict(spec)
+    name = params.pop("name", None)
+    cls = resolve_policy(name)
+    try:
+        inspect.signature(cls).bind(**params)
+    except TypeError as e:
+        accepted = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+        bad = next((p for p in params if p not in accepted), None)
+        raise PolicyConfigError(name, f"{e}; accepted parameters: {', '.join(accepted) or 'none'}",
+                                param=bad) from None
+    try:
+        return cls(**params)
+    except PolicyConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise PolicyConfigError(name, str(e)) from None
+
+
+def build_chain(specs: Iterable[Mapping[str, Any]], kind: type[Policy] = Policy) -> list[Policy]:
+    """Instantiate the ordered policies of ``specs``, each required to be a ``kind``
+    (:class:`Curator`, :class:`Filter` or :class:`ServingPolicy`).
+
+    Raises:
+        PolicyConfigError: as :func:`build_policy`, or a policy of the wrong kind.
+    """
+    if isinstance(specs, (str, bytes, Mapping)):
+        raise PolicyConfigError(repr(specs)[:40], "policies must be a list of {name: ..., **params} entries")
+    out = []
+    for spec in specs:
+        policy = build_policy(spec)
+        if not isinstance(policy, kind):
+            raise PolicyConfigError(spec["name"], f"is a {policy.kind} policy, where a {kind.kind} was expected")
+        out.append(policy)
+    return out
