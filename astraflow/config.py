@@ -1,0 +1,180 @@
+"""Run configuration: pydantic models, YAML files and ``key=value`` overrides.
+
+A run config names the bus and the store, the policies with their models,
+trainers and filter chains, the workflow, the data sources, the curators, the
+RaaS workers and the evaluation. Every component command (``astraflow run``,
+``acquire``, ``raas``, ``policy``, ``trainer``) reads the same file.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.config import TrainerConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names each field and what was wrong."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SourceConfig(_Strict):
+    """One prompt source: a registered name (``arith``, ``gsm8k``, ``math500``, ...) or a file path."""
+
+    name: str = Field(min_length=1)
+    weight: float = Field(default=1.0, gt=0, description="mixing weight across sources")
+    adapter: str | None = Field(default=None, description="record adapter for a file source")
+    split: str | None = None
+    limit: int | None = Field(default=None, ge=1, description="use only the first N records")
+
+
+class DataConfig(_Strict):
+    """Acquisition: sources, group size G, epochs and shuffling."""
+
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(name="arith")], min_length=1)
+    n_samples: int = Field(default=8, ge=1, description="G: samples per prompt")
+    epochs: int = Field(default=1, ge=1)
+    shuffle_seed: int = 0
+    max_outstanding: int = Field(default=256, ge=1, description="prompts written but not yet taken by RaaS")
+
+
+class SamplingConfig(_Strict):
+    """Rollout sampling. The trainer divides logits by the same temperature."""
+
+    max_new_tokens: int = Field(default=8, ge=1, description="tokens per turn")
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+
+
+class PolicyConfig(_Strict):
+    """One trained policy: its model, engine, trainer and data policies."""
+
+    model: str = Field(min_length=1, description="an HF model directory, or 'tiny' for the built-in tiny model")
+    engine: Literal["hf", "sglang"] = "hf"
+    sglang_url: str | None = Field(default=None, description="attach to a running SGLang server")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    batch_groups: int = Field(default=16, ge=1, description="groups per training step")
+    steps: int = Field(default=100, ge=1, description="trainer versions to produce, then stop")
+    max_staleness: int = Field(default=8, ge=0, description="versions; older samples are dropped")
+    checkpoint_every: int = Field(default=10, ge=1, description="steps between checkpoints")
+    filters: list[dict[str, Any]] = Field(default_factory=lambda: [{"name": "accept_all"}])
+    serving: list[dict[str, Any]] = Field(default_factory=list, description="replay / mix / staleness policies")
+
+
+class WorkflowConfig(_Strict):
+    """The agent workflow and which policy plays each of its roles."""
+
+    name: str = "single_turn"
+    roles: dict[str, str] = Field(default_factory=dict, description="role -> policy name")
+    max_turns: int = Field(default=3, ge=1)
+
+
+class RaasConfig(_Strict):
+    """Rollout workers."""
+
+    workers: int = Field(default=1, ge=1)
+    batch_prompts: int = Field(default=8, ge=1, description="prompts per rollout batch")
+    max_inflight_groups: int = Field(default=128, ge=1, description="pause while trainer lag exceeds this")
+
+
+class EvalConfig(_Strict):
+    """Evaluation: pass@1 as avg@k."""
+
+    benchmarks: list[str] = Field(default_factory=list)
+    k: int = Field(default=4, ge=1)
+    temperature: float = Field(default=0.6, gt=0)
+    limit: int | None = Field(default=None, ge=1)
+
+
+class RunConfig(_Strict):
+    """A whole run. ``bus`` and ``store`` default to the embedded bus and a local store in ``run_dir``."""
+
+    run: str = Field(default="astraflow", pattern=r"^[A-Za-z0-9._-]+$")
+    run_dir: Path | None = Field(default=None, description="default: runs/<run>")
+    bus: str | None = Field(default=None, description="kafka://host:port or local://PATH")
+    store: str | None = Field(default=None, description="file:///abs/dir or s3://bucket/prefix")
+    seed: int = 0
+    policies: dict[str, PolicyConfig] = Field(min_length=1)
+    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    curators: list[dict[str, Any]] = Field(default_factory=list)
+    raas: RaasConfig = Field(default_factory=RaasConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    coupling: Literal["independent", "barrier"] = Field(
+        default="independent", description="independent trainers, or lockstep versions across policies")
+    max_wall_s: float | None = Field(default=None, gt=0, description="stop the run after this many seconds")
+
+    @model_validator(mode="after")
+    def _defaults(self) -> "RunConfig":
+        if self.run_dir is None:
+            self.run_dir = Path("runs") / self.run
+        self.run_dir = self.run_dir.absolute()
+        if self.bus is None:
+            self.bus = f"local://{self.run_dir / 'bus'}"
+        if self.store is None:
+            self.store = (self.run_dir / "weights").as_uri()
+        unknown = set(self.workflow.roles.values()) - set(self.policies)
+        if unknown:
+            raise ValueError(f"workflow.roles names policies {sorted(unknown)} that are not in policies "
+                             f"({sorted(self.policies)})")
+        for name, p in self.policies.items():
+            p.trainer.policy = name
+        return self
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _format(e: ValidationError, origin: str) -> str:
+    lines = [f"invalid config {origin}:"]
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run config and apply ``key.sub=value`` overrides (values parsed as YAML).
+
+    Raises:
+        ConfigError: the file is missing or not a YAML mapping, an override is
+            not ``key=value``, or a field is invalid (each field and reason listed).
+    """
+    tree: dict[str, Any] = {}
+    origin = str(path) if path else "(overrides)"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. policies.actor.steps=5)")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format(e, origin)) from None
