@@ -1,0 +1,222 @@
+"""The single-machine launcher behind ``astraflow run``.
+
+It starts each component as its own process (acquisition, N RaaS workers, one
+filter processor and one trainer per policy), each with a log file in
+``<run_dir>/logs``. It never calls them: they meet on the bus and the store.
+A live view shows step, version, reward, KL, throughput, lag and staleness.
+
+The run ends when every trainer has produced its ``steps`` versions (or after
+``max_wall_s``, or on Ctrl-C). Components are then stopped with SIGTERM, which
+they handle by finishing their current unit of work and committing, so nothing
+is lost. A component that dies is reported with the tail of its log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+
+from astraflow.config import RunConfig
+from astraflow.monitor import RunMonitor
+from topics.bus import connect
+from topics.names import TopicNames
+
+console = Console(stderr=True)
+
+
+@dataclass
+class Component:
+    """One launched process: its name, command line, log file and exit state."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    proc: subprocess.Popen | None = None
+    reported: bool = field(default=False)
+
+    @property
+    def kind(self) -> str:
+        return self.name.split(".")[0].split("-")[0]
+
+
+def component_argv(command: str, config_path: Path, overrides: list[str], *extra: str) -> list[str]:
+    """The command line of one component: ``python -m astraflow <command> CONFIG [overrides] [extra]``."""
+    return [sys.executable, "-m", "astraflow", command, str(config_path), *overrides, *extra]
+
+
+def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[Component]:
+    """The processes of a run, in start order: trainers and filters first, then RaaS, then acquisition."""
+    logs = cfg.run_dir / "logs"
+    comps = []
+    for p in cfg.policies:
+        comps.append(Component(f"trainer.{p}", component_argv("trainer", config_path, overrides, "--policy", p),
+                               logs / f"trainer.{p}.log"))
+        comps.append(Component(f"policy.{p}", component_argv("policy", config_path, overrides, "--policy", p),
+                               logs / f"policy.{p}.log"))
+    for i in range(cfg.raas.workers):
+        comps.append(Component(f"raas-{i}", component_argv("raas", config_path, overrides, "--worker-id", str(i)),
+                               logs / f"raas-{i}.log"))
+    comps.append(Component("acquire", component_argv("acquire", config_path, overrides), logs / "acquire.log"))
+    return comps
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def reward_summary(history: list[tuple[int, float]]) -> tuple[float | None, float | None]:
+    """Mean training reward over the first and the last 20% of steps (at least one step each)."""
+    if not history:
+        return None, None
+    rewards = [r for _, r in sorted(history)]
+    k = max(1, len(rewards) // 5)
+    return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+
+
+def plot_rewards(views: dict, path: Path) -> None:
+    """Write a reward-curve PNG: training reward mean per step, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for policy, v in views.items():
+        if v.history:
+            steps, rewards = zip(*sorted(v.history))
+            ax.plot(steps, rewards, label=policy)
+    ax.set_xlabel("trainer step (version)")
+    ax.set_ylabel("training reward (group mean)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+class Launcher:
+    """Runs every component of ``cfg`` on this machine and watches them.
+
+    Args:
+        cfg: the validated run config.
+        config_path: the YAML file the components re-read.
+        overrides: the ``key=value`` overrides, passed on to every component.
+    """
+
+    def __init__(self, cfg: RunConfig, config_path: Path, overrides: list[str]):
+        self.cfg, self.config_path, self.overrides = cfg, config_path, overrides
+        self.names = TopicNames(cfg.run)
+        self.components = plan_components(cfg, config_path, overrides)
+        self.stopping = False
+
+    def _start(self, comp: Component) -> None:
+        comp.log.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        with open(comp.log, "ab") as log:
+            comp.proc = subprocess.Popen(comp.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    def _stop_all(self, grace_s: float = 60.0) -> None:
+        live = [c for c in self.components if c.proc and c.proc.poll() is None]
+        for c in live:
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in live:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                console.print(f"[yellow]{c.name} did not stop in {grace_s:.0f} s; killing it[/]")
+                c.proc.kill()
+                c.proc.wait()
+
+    def _check_dead(self) -> list[Component]:
+        dead = []
+        for c in self.components:
+            code = c.proc.poll() if c.proc else None
+            if code is not None and not c.reported:
+                c.reported = True
+                if code != 0 and not self.stopping:
+                    console.print(f"[bold red]component {c.name} died with exit code {code}[/]; "
+                                  f"last lines of {c.log}:\n{_tail(c.log)}")
+                    dead.append(c)
+        return dead
+
+    def run(self) -> dict:
+        """Start everything, show the live view, stop cleanly; returns the summary dict.
+
+        Raises:
+            RuntimeError: a component died (its log tail is printed first).
+        """
+        cfg = self.cfg
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        bus = connect(cfg.bus)
+        bus.admin().ensure_run_topics(self.names, list(cfg.policies))
+        monitor = RunMonitor(bus, self.names, list(cfg.policies), cfg.workflow.name)
+        t0 = time.monotonic()
+        for c in self.components:
+            self._start(c)
+        console.print(f"run [bold]{cfg.run}[/] in {cfg.run_dir}: {len(self.components)} components "
+                      f"(logs in {cfg.run_dir / 'logs'}); bus {cfg.bus}; store {cfg.store}")
+        interrupted, failed = False, []
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with Live(monitor.table(), console=console, refresh_per_second=2, transient=False) as live:
+                last = 0.0
+                while True:
+                    monitor.poll(0.5)
+                    if time.monotonic() - last > 1.0:
+                        live.update(monitor.table(f"run {cfg.run}  {time.monotonic() - t0:.0f} s"))
+                        last = time.monotonic()
+                    failed = self._check_dead()
+                    if failed:
+                        break
+                    trainers = [c for c in self.components if c.kind == "trainer"]
+                    if all(c.proc.poll() == 0 for c in trainers):
+                        break
+                    if cfg.max_wall_s and time.monotonic() - t0 > cfg.max_wall_s:
+                        console.print(f"[yellow]max_wall_s={cfg.max_wall_s} reached; stopping[/]")
+                        break
+        except KeyboardInterrupt:
+            interrupted = True
+            console.print("[yellow]Ctrl-C: stopping every component cleanly (SIGTERM)...[/]")
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            self.stopping = True
+            self._stop_all()
+            monitor.poll(1.0)
+            monitor.close()
+        wall = time.monotonic() - t0
+        summary = self._write_outputs(monitor, wall)
+        if failed:
+            raise RuntimeError(f"components died: {', '.join(c.name for c in failed)} (see their logs)")
+        if interrupted:
+            summary["interrupted"] = True
+        return summary
+
+    def _write_outputs(self, monitor: RunMonitor, wall_s: float) -> dict:
+        run_dir = self.cfg.run_dir
+        with open(run_dir / "metrics.jsonl", "w") as f:
+            for m in monitor.records:
+                f.write(json.dumps(m.model_dump(mode="json")) + "\n")
+        plot_rewards(monitor.views, run_dir / "reward_curve.png")
+        # reward_first / reward_last follow the first policy of the config (the solver, the actor, ...).
+        first, last = reward_summary(next(iter(monitor.views.values())).history)
+        return {
+            "run": self.cfg.run,
+            "steps": max((v.step for v in monitor.views.values()), default=0),
+            "versions": {p: v.version for p, v in monitor.views.items()},
+            "reward_first": None if first is None else round(first, 4),
+            "reward_last": None if last is None else round(last, 4),
+            "wall_s": round(wall_s, 1),
+        }
