@@ -1,0 +1,55 @@
+"""The trainer's configuration: one validated pydantic model."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.losses import AggMode, Correction
+
+
+class TrainerConfig(BaseModel):
+    """Everything that shapes one policy's optimisation.
+
+    Units: ``lr`` per step; ``temperature`` dimensionless; ``max_grad_norm`` in the
+    L2 norm of all gradients; counts in samples (sequences) unless named otherwise.
+
+    Temperature convention: the rollout engine records the logprobs of the
+    temperature-scaled distribution it sampled from, so the trainer divides the
+    logits by the same ``temperature`` before ``log_softmax``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = Field(default="policy", min_length=1)
+    # model and optimiser
+    param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    master_fp32: bool = Field(default=False, description="keep fp32 parameters, compute in param_dtype (autocast)")
+    device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N")
+    lr: float = Field(default=1e-6, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    temperature: float = Field(default=1.0, gt=0)
+    # PPO / GRPO
+    adv_scale_by_std: bool = Field(default=True, description="GRPO (True) or Dr. GRPO (False) advantages")
+    clip_low: float = Field(default=0.2, ge=0)
+    clip_high: float | None = Field(default=None, ge=0, description="DAPO clip-higher ε_high; None: = clip_low")
+    correction: Correction = "tis"
+    tis_cap: float = Field(default=2.0, gt=0)
+    m2po_tau: float = Field(default=0.04, ge=0)
+    kl_coef: float = Field(default=0.0, ge=0, description="k3 KL to the initial model; 0 loads no reference")
+    entropy_coef: float = Field(default=0.0, ge=0)
+    loss_agg: AggMode = "token-mean"
+    norm_len: int | None = Field(default=None, gt=0, description="tokens; required by loss_agg=seq-sum-norm")
+    ppo_epochs: int = Field(default=1, ge=1)
+    mini_batch_size: int | None = Field(default=None, ge=1, description="samples per optimiser step; None: whole batch")
+    micro_batch_size: int | None = Field(default=None, ge=1, description="samples per forward; None: whole mini-batch")
+    pad_token_id: int = 0
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        if self.loss_agg == "seq-sum-norm" and not self.norm_len:
+            raise ValueError("loss_agg 'seq-sum-norm' (Dr. GRPO) needs norm_len, e.g. the max generation length")
+        return self

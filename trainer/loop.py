@@ -1,0 +1,184 @@
+"""The optimisation loop of one policy: GRPO/PPO mini-batch updates with off-policy correction."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from topics.schemas import TrajectoryGroup
+from trainer import losses
+from trainer.batch import PackedBatch, pack_groups
+from trainer.config import TrainerConfig
+from trainer.model import DTYPES, load_causal_lm, resolve_device, token_logprobs
+
+
+class WeightPublisher(Protocol):
+    """Anything with ``publish(state_dict, version)``, e.g. ``weights.publisher.Publisher``."""
+
+    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> Any: ...
+
+
+class Trainer:
+    """Loads a policy from an HF directory and trains it on TrajectoryGroups.
+
+    Args:
+        config: the :class:`TrainerConfig`.
+        model_dir: a ``save_pretrained`` directory (the initial weights are version 0,
+            and the reference model for the KL when ``kl_coef > 0``).
+        publisher: called as ``publisher.publish(state_dict, version)`` after every step
+            with bf16 CPU tensors; None publishes nothing.
+        metrics: an object with ``emit(step, values)`` (:class:`trainer.metrics.MetricsSink`), or None.
+
+    Attributes:
+        version: the version of the current weights: 0 at load, +1 per :meth:`train_step`.
+    """
+
+    def __init__(self, config: TrainerConfig, model_dir: str | Path, *, publisher: WeightPublisher | None = None,
+                 metrics: Any | None = None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        load_dtype = "float32" if config.master_fp32 else config.param_dtype
+        self.model = load_causal_lm(model_dir, load_dtype, self.device)
+        self.ref_model = (load_causal_lm(model_dir, config.param_dtype, self.device, trainable=False)
+                          if config.kl_coef > 0 else None)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
+                                           weight_decay=config.weight_decay)
+        self.publisher, self.metrics = publisher, metrics
+        self.version = 0
+        self._generator = torch.Generator().manual_seed(config.seed)
+
+    # -- state -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Model parameters, optimizer state and version (for :mod:`trainer.checkpoint`)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+
+    def publish_state(self) -> dict[str, torch.Tensor]:
+        """The weights as published: bf16 CPU tensors, name -> tensor."""
+        return {k: v.detach().to("cpu", torch.bfloat16) for k, v in self.model.state_dict().items()}
+
+    # -- one step ----------------------------------------------------------
+    def _autocast(self):
+        if self.config.master_fp32 and self.config.param_dtype != "float32":
+            return torch.autocast(self.device.type, dtype=DTYPES[self.config.param_dtype])
+        return torch.autocast(self.device.type, enabled=False)
+
+    def _logprobs(self, model: torch.nn.Module, b: PackedBatch, with_entropy: bool = False):
+        with self._autocast():
+            return token_logprobs(model, b.input_ids, b.attention_mask, self.config.temperature, with_entropy)
+
+    @torch.no_grad()
+    def _frozen_logprobs(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+        size = self.config.micro_batch_size or len(batch)
+        out = torch.zeros_like(batch.behavior_logp)
+        for start in range(0, len(batch), size):
+            idx = torch.arange(start, min(start + size, len(batch)))
+            part = batch.select(idx)
+            out[idx, : part.input_ids.shape[1]] = self._logprobs(model, part)[0]
+        return out
+
+    def train_step(self, groups: list[TrajectoryGroup], version_now: int | None = None,
+                   wait_s: float = 0.0) -> dict[str, float]:
+        """Run ``ppo_epochs`` passes of mini-batch updates on ``groups``, then publish version + 1.
+
+        Args:
+            groups: the batch; each group's samples are one GRPO group.
+            version_now: the trainer version staleness is measured against
+                (default: :attr:`version`); staleness = version_now - group.min_version.
+            wait_s: seconds the caller waited for this batch (for ``wait_frac``).
+
+        Returns:
+            The step's metrics (floats): loss, pg_loss, kl, clipfrac, entropy, grad_norm,
+            reward_mean, reward_std, staleness_mean/max and ``staleness_hist/<k>`` counts of
+            groups, is_ratio_mean/max/min (π_θ/π_behaviour on generated tokens before the
+            update), tokens (generated, count), tokens_per_s, step_s, wait_s, wait_frac,
+            groups, samples, version.
+
+        Raises:
+            ValueError: ``groups`` is empty or malformed (see :func:`trainer.batch.pack_groups`).
+        """
+        cfg = self.config
+        start = time.perf_counter()
+        version_now = self.version if version_now is None else version_now
+        full = pack_groups(groups, cfg.pad_token_id).to(self.device)
+        advantages = losses.group_advantages(full.rewards.cpu(), full.group_index.cpu(),
+                                             scale_by_std=cfg.adv_scale_by_std).to(self.device)
+        old_logp = self._frozen_logprobs(self.model, full) if cfg.correction == "tis" else full.behavior_logp
+        ref_logp = self._frozen_logprobs(self.ref_model, full) if self.ref_model is not None else None
+
+        self.model.train()
+        n = len(full)
+        mini = cfg.mini_batch_size or n
+        micro = cfg.micro_batch_size or mini
+        sums: Counter = Counter()
+        is_min, is_max = float("inf"), float("-inf")
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(n, generator=self._generator).to(self.device)
+            for m_start in range(0, n, mini):
+                m_idx = order[m_start: m_start + mini]
+                n_tokens = float(full.loss_mask[m_idx].sum().clamp(min=1.0))
+                self.optimizer.zero_grad(set_to_none=True)
+                for u_start in range(0, len(m_idx), micro):
+                    idx = m_idx[u_start: u_start + micro]
+                    b = full.select(idx)
+                    width = b.input_ids.shape[1]
+                    logp, ent = self._logprobs(self.model, b, with_entropy=True)
+                    out = losses.policy_loss(
+                        logp, old_logp[idx, :width], b.behavior_logp, advantages[idx], b.loss_mask,
+                        correction=cfg.correction, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                        tis_cap=cfg.tis_cap, m2po_tau=cfg.m2po_tau,
+                        ref_logp=None if ref_logp is None else ref_logp[idx, :width], kl_coef=cfg.kl_coef,
+                        entropy=ent, entropy_coef=cfg.entropy_coef, agg=cfg.loss_agg,
+                        n_tokens=n_tokens, n_seqs=len(m_idx), norm_len=cfg.norm_len)
+                    out.loss.backward()
+                    valid = b.loss_mask.bool()
+                    # micro-batch losses add up to their mini-batch's; mini-batches weigh by size
+                    for key in ("loss", "pg_loss", "kl", "entropy"):
+                        sums[key] += float(getattr(out, key).detach()) * len(m_idx) / n
+                    sums["clipped"] += int(out.clipped.sum())
+                    sums["valid"] += int(valid.sum())
+                    ratio = torch.exp(logp.detach() - b.behavior_logp)[valid]
+                    if ratio.numel():
+                        sums["is_ratio_sum"] += float(ratio.sum())
+                        is_min, is_max = min(is_min, float(ratio.min())), max(is_max, float(ratio.max()))
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                sums["grad_norm"] += float(grad_norm)
+                sums["updates"] += 1
+        self.model.eval()
+        self.version += 1
+        if self.publisher is not None:
+            self.publisher.publish(self.publish_state(), self.version)
+
+        step_s = time.perf_counter() - start
+        epochs = cfg.ppo_epochs
+        staleness = [version_now - g.min_version for g in groups]
+        gen_tokens = float(full.loss_mask.sum())
+        rewards = full.rewards
+        metrics = {
+            "loss": sums["loss"] / epochs, "pg_loss": sums["pg_loss"] / epochs, "kl": sums["kl"] / epochs,
+            "entropy": sums["entropy"] / epochs,
+            "clipfrac": sums["clipped"] / max(sums["valid"], 1),
+            "grad_norm": sums["grad_norm"] / max(sums["updates"], 1),
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+            "staleness_mean": sum(staleness) / len(staleness), "staleness_max": float(max(staleness)),
+            "is_ratio_mean": sums["is_ratio_sum"] / max(sums["valid"], 1),
+            "is_ratio_max": is_max if sums["valid"] else 1.0, "is_ratio_min": is_min if sums["valid"] else 1.0,
+            "tokens": gen_tokens, "tokens_per_s": gen_tokens * epochs / step_s, "step_s": step_s,
+            "wait_s": wait_s, "wait_frac": wait_s / (wait_s + step_s),
+            "groups": float(len(groups)), "samples": float(n), "version": float(self.version),
+        }
+        for k, count in Counter(staleness).items():
+            metrics[f"staleness_hist/{k}"] = float(count)
+        if self.metrics is not None:
+            self.metrics.emit(self.version, metrics)
+        return metrics
