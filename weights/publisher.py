@@ -1,0 +1,242 @@
+"""Trainer-side weight publishing (DESIGN.md, step 6 "Publish").
+
+``Publisher.publish`` copies the parameters into a preallocated host buffer and
+returns; a background thread encodes the delta against the last published
+version, uploads it, and announces a :class:`WeightAnnouncement` on
+``<run>.weights``.
+
+Host memory: three rotating CPU buffers, each the size of the state dict: the
+last published version (the delta base), the version being encoded, and the
+newest pending copy (the double buffer is the last two). When the worker falls
+behind, a new ``publish`` overwrites the pending copy: the next delta goes from
+the last published version straight to the newest, and versions skip.
+
+Delta vs full, with ``F`` the full size (bytes of all tensors) and ``D`` the
+encoded delta size:
+
+1. the first version is a full snapshot;
+2. if ``D > max_delta_fraction * F`` the delta is not sparse enough: full;
+3. otherwise, with ``C`` the bytes of the deltas since the last full snapshot,
+   if ``C + D > chain_budget * F`` (or the chain would exceed ``max_chain``
+   deltas) a full snapshot is taken too, and the delta is still stored so
+   pullers one version behind keep pulling small objects.
+
+Rule 3 is the adaptive full-sync interval: K ≈ ``chain_budget * F / D̄`` (D̄
+the mean delta size), so a fresh puller never downloads more than
+``(1 + chain_budget) * F`` bytes. At 99% sparsity K is in the hundreds; with
+dense deltas it falls towards 1. The announcement's ``reason`` says which rule
+fired.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from topics.bus import Bus
+from topics.codec import encode, headers_for
+from topics.names import TopicNames
+from topics.schemas import WeightAnnouncement
+from weights.codec import encode_delta, save_full, state_sha256
+from weights.store import WeightStore
+
+log = logging.getLogger(__name__)
+
+Buffer = dict[str, torch.Tensor]
+
+
+class Publisher:
+    """Publishes weight versions of one policy without blocking the training step.
+
+    Args:
+        store: where objects go.
+        bus: announcements go to ``names.weights`` with key ``policy``; ``None``
+            stores objects without announcing (benchmarks).
+        names: the run's topic names.
+        policy: the policy name (key of the announcements, path component of objects).
+        level, threads: zstd level and worker threads (-1: one per core).
+        max_delta_fraction, chain_budget, max_chain: the delta/full rules (module docstring).
+        keep_versions: if set, after each publish apply :meth:`WeightStore.retain` with it.
+        producer_id: recorded in the announcement headers.
+
+    Attributes:
+        announcements: every announcement made, in order.
+        errors: exceptions raised by background publishes (the version is then
+            skipped; the next one is a delta from the last successful version).
+    """
+
+    def __init__(self, store: WeightStore, bus: Bus | None, names: TopicNames, policy: str, *,
+                 level: int = 3, threads: int = -1, max_delta_fraction: float = 0.5,
+                 chain_budget: float = 1.0, max_chain: int = 1000, keep_versions: int | None = None,
+                 producer_id: str | None = None):
+        self.store, self.names, self.policy = store, names, policy
+        self.level, self.threads = level, threads
+        self.max_delta_fraction, self.chain_budget, self.max_chain = max_delta_fraction, chain_budget, max_chain
+        self.keep_versions, self.producer_id = keep_versions, producer_id
+        self._producer = bus.producer() if bus is not None else None
+        self.announcements: list[WeightAnnouncement] = []
+        self.errors: list[BaseException] = []
+        self._cv = threading.Condition()
+        self._free: list[Buffer] = []
+        self._n_buffers = 0
+        self._pending: tuple[int, Buffer] | None = None
+        self._busy = False
+        self._base: tuple[int, Buffer, str] | None = None
+        self._last_submitted = -1
+        self._chain_bytes = 0
+        self._chain_len = 0
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"publisher-{policy}", daemon=True)
+        self._thread.start()
+
+    # ---- trainer side -------------------------------------------------------------
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
+        """Copy ``state_dict`` to host memory as ``version`` and return; publishing continues in the background.
+
+        Args:
+            state_dict: name -> tensor (any device; same names, shapes and dtypes every call).
+            version: strictly greater than every earlier ``version``.
+
+        Returns:
+            Seconds spent copying (the only time the caller waits).
+
+        Raises:
+            ValueError: ``version`` does not increase, or the tensors changed names/shapes/dtypes.
+            RuntimeError: the publisher is closed.
+        """
+        t0 = time.perf_counter()
+        with self._cv:
+            if self._closing:
+                raise RuntimeError(f"publisher for {self.policy!r} is closed")
+            if version <= self._last_submitted:
+                raise ValueError(f"version {version} is not above the last published {self._last_submitted}")
+            if self._pending is not None:
+                log.info("publisher %s: still busy, version %d replaces pending %d (coalesced)",
+                         self.policy, version, self._pending[0])
+                buf = self._pending[1]
+            else:
+                buf = self._free.pop() if self._free else self._alloc(state_dict)
+            self._copy(state_dict, buf)
+            self._pending = (version, buf)
+            self._last_submitted = version
+            self._cv.notify_all()
+        return time.perf_counter() - t0
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until everything submitted is published (or failed); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending is None and not self._busy, timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Publish what is pending, stop the worker and flush the producer."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(timeout_s)
+        if self._producer is not None:
+            self._producer.close()
+
+    def _alloc(self, state_dict: Mapping[str, torch.Tensor]) -> Buffer:
+        self._n_buffers += 1
+        if self._n_buffers > 3:
+            raise AssertionError("publisher needs at most three host buffers")
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in state_dict.values())
+        return {k: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for k, t in state_dict.items()}
+
+    @staticmethod
+    def _copy(src: Mapping[str, torch.Tensor], dst: Buffer) -> None:
+        if src.keys() != dst.keys():
+            raise ValueError(f"state dict names changed since the first publish "
+                             f"(new {sorted(set(src) - set(dst))[:5]}, gone {sorted(set(dst) - set(src))[:5]})")
+        cuda = False
+        with torch.no_grad():
+            for k, t in src.items():
+                if t.shape != dst[k].shape or t.dtype != dst[k].dtype:
+                    raise ValueError(f"tensor {k!r} is {tuple(t.shape)} {t.dtype}, first publish had "
+                                     f"{tuple(dst[k].shape)} {dst[k].dtype}")
+                dst[k].copy_(t.detach(), non_blocking=t.is_cuda)
+                cuda |= t.is_cuda
+        if cuda:
+            torch.cuda.synchronize()
+
+    # ---- background worker -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None or self._closing)
+                if self._pending is None:
+                    return
+                (version, buf), self._pending = self._pending, None
+                self._busy = True
+            ok = False
+            try:
+                sha = self._publish_one(version, buf)
+                ok = True
+            except Exception as e:  # keep publishing later versions; the caller sees self.errors
+                log.exception("publisher %s: version %d failed; the next version will be a delta from the last published", self.policy, version)
+                self.errors.append(e)
+            with self._cv:
+                if ok:
+                    if self._base is not None:
+                        self._free.append(self._base[1])
+                    self._base = (version, buf, sha)
+                else:
+                    self._free.append(buf)
+                self._busy = False
+                self._cv.notify_all()
+
+    def _publish_one(self, version: int, buf: Buffer) -> str:
+        full_bytes = sum(t.numel() * t.element_size() for t in buf.values())
+        delta, reason = None, "first version"
+        if self._base is not None:
+            base_version, base_buf, base_sha = self._base
+            delta = encode_delta(base_buf, buf, base_version=base_version, version=version, level=self.level,
+                                 threads=self.threads, base_sha256=base_sha,
+                                 max_bytes=int(self.max_delta_fraction * full_bytes))
+            if delta is None:
+                reason = f"delta over {self.max_delta_fraction:.0%} of full ({full_bytes} B): not sparse enough"
+        kind = "full"
+        if delta is not None:
+            d = len(delta.data)
+            self.store.put(self.store.key(self.policy, version, "delta"), delta.data)
+            chain = self._chain_bytes + d
+            k_est = int(self.chain_budget * full_bytes / max(d, 1))
+            if chain > self.chain_budget * full_bytes or self._chain_len + 1 > self.max_chain:
+                reason = (f"periodic full: chain of {self._chain_len + 1} deltas would be {chain / full_bytes:.2f}x full "
+                          f"(budget {self.chain_budget}x; adaptive K~{k_est} at sparsity {delta.sparsity:.4f})")
+            else:
+                kind = "delta"
+                reason = (f"delta {d / full_bytes:.2%} of full, chain {self._chain_len + 1} deltas = "
+                          f"{chain / full_bytes:.2f}x full (adaptive K~{k_est} at sparsity {delta.sparsity:.4f})")
+                self._chain_bytes, self._chain_len = chain, self._chain_len + 1
+        sha = delta.sha256 if delta is not None else state_sha256(buf)
+        if kind == "delta":
+            key, size = self.store.key(self.policy, version, "delta"), len(delta.data)
+        else:
+            key = self.store.key(self.policy, version, "full")
+            with tempfile.TemporaryDirectory(prefix="astraflow-full-") as tmp:
+                path = Path(tmp) / "full.safetensors"
+                save_full(buf, path, version=version, sha256=sha)
+                size = path.stat().st_size
+                self.store.put(key, path)
+            self._chain_bytes, self._chain_len = 0, 0
+        ann = WeightAnnouncement(
+            policy=self.policy, version=version, kind=kind, uri=self.store.uri_of(key), bytes=size, sha256=sha,
+            base_version=self._base[0] if kind == "delta" else None,
+            sparsity=delta.sparsity if delta is not None else 0.0, reason=reason)
+        if self._producer is not None:
+            self._producer.send(self.names.weights, encode(ann), key=self.policy,
+                                headers=headers_for(ann, self.producer_id))
+            self._producer.flush()
+        self.announcements.append(ann)
+        log.info("publisher %s: version %d %s %d B (%s)", self.policy, version, kind, size, reason)
+        if self.keep_versions:
+            self.store.retain(self.policy, self.keep_versions)
+        return sha

@@ -1,0 +1,264 @@
+"""RaaS-side weight pulling (DESIGN.md, step 7 "Pull").
+
+A :class:`Puller` follows ``<run>.weights`` for one policy, keeps a verified
+host copy of that policy's parameters, and brings it to the newest announced
+version along the cheapest path in bytes:
+
+- nodes are versions; a ``delta.zst`` at ``v`` is an edge ``base(v) -> v``
+  (its base is read from the object's 32-byte prefix), a ``full.safetensors``
+  at ``v`` is an edge from anywhere to ``v``;
+- edge costs are object sizes from the store listing, and the plan is the
+  cheapest path from the local version (versions only increase, so one pass
+  in version order finds it).
+
+Every object is downloaded with retries and verified (zstd frame checksums,
+then the sha256 of the resulting parameters) before the local copy moves to
+it; a failed step leaves the copy at the last verified version. A corrupt
+object is fetched once more, then excluded and the plan is recomputed, which
+falls back to a full snapshot. The engine only ever gets verified weights:
+through ``on_update(state, version)`` (in memory, e.g. ``model.load_state_dict``)
+or :meth:`Puller.to_safetensors_dir` (for SGLang's ``update_weights_from_disk``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from topics.bus import Bus, TopicPartition
+from topics.codec import MessageError, decode
+from topics.names import TopicNames
+from topics.schemas import WeightAnnouncement
+from weights.codec import PREFIX_BYTES, WeightFormatError, apply_delta, load_full, read_prefix
+from weights.store import ObjectMissing, StoreError, StoredObject, WeightStore
+
+log = logging.getLogger(__name__)
+
+
+class WeightsUnavailable(RuntimeError):
+    """The target version cannot be reached now (objects missing or corrupt); the local weights are unchanged."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One object to fetch and apply: a delta ``base -> version`` or a full snapshot at ``version``."""
+
+    version: int
+    kind: str
+    base: int | None
+    obj: StoredObject
+
+
+class Puller:
+    """Keeps a verified host copy of one policy's weights at the newest announced version.
+
+    Args:
+        store: the weight store.
+        bus: announcements are read from ``names.weights`` (partition 0, from
+            the beginning, no consumer group); ``None``: only :meth:`sync` with
+            an explicit target.
+        names, policy: which stream to follow.
+        state, version, sha256: the initial local weights (contiguous CPU
+            tensors, modified in place by deltas) and their version, e.g. the
+            base model as version 0; ``None`` starts empty (the first pull is a
+            full snapshot).
+        on_update: called as ``on_update(state, version)`` after each
+            successful :meth:`sync` that changed the version.
+        attempts: download attempts per object (exponential back-off between).
+    """
+
+    def __init__(self, store: WeightStore, bus: Bus | None, names: TopicNames, policy: str, *,
+                 state: dict[str, torch.Tensor] | None = None, version: int | None = None,
+                 sha256: str | None = None, on_update: Callable[[dict[str, torch.Tensor], int], None] | None = None,
+                 attempts: int = 3, backoff_s: float = 0.2):
+        if (state is None) != (version is None):
+            raise ValueError("give both state and version, or neither")
+        self.store, self.names, self.policy = store, names, policy
+        self.state, self.version, self.sha256 = state, version, sha256
+        self.on_update, self.attempts, self.backoff_s = on_update, attempts, backoff_s
+        self.announced: dict[int, WeightAnnouncement] = {}
+        self._bases: dict[int, int] = {}
+        self._bad: set[str] = set()
+        self._consumer = None
+        if bus is not None:
+            self._consumer = bus.consumer(None, client_id=f"puller-{policy}")
+            tp = TopicPartition(names.weights, 0)
+            self._consumer.assign([tp])
+            self._consumer.seek_to_beginning([tp])
+
+    @property
+    def newest(self) -> int | None:
+        """The newest announced version (None before any announcement)."""
+        return max(self.announced) if self.announced else None
+
+    def poll(self, timeout_s: float = 0.0) -> int | None:
+        """Read new announcements for this policy; returns :attr:`newest`.
+
+        Malformed announcements are logged and skipped.
+        """
+        if self._consumer is None:
+            return self.newest
+        for rec in self._consumer.poll(timeout_s=timeout_s):
+            try:
+                ann = decode(rec.value, WeightAnnouncement, topic=rec.topic, partition=rec.partition, offset=rec.offset)
+            except MessageError as e:
+                log.warning("puller %s: skipping bad announcement: %s", self.policy, e)
+                continue
+            if ann.policy == self.policy:
+                self.announced[ann.version] = ann
+        return self.newest
+
+    def close(self) -> None:
+        """Stop following announcements."""
+        if self._consumer is not None:
+            self._consumer.close()
+
+    # ---- planning ----------------------------------------------------------------------
+
+    def _base_of(self, obj: StoredObject) -> int:
+        if obj.version not in self._bases:
+            base, version, _ = read_prefix(self._fetch(obj.key, start=0, length=PREFIX_BYTES))
+            if version != obj.version:
+                raise WeightFormatError(f"{self.store.uri_of(obj.key)} says it is version {version}")
+            self._bases[obj.version] = base
+        return self._bases[obj.version]
+
+    def plan(self, target: int) -> list[Step]:
+        """The cheapest list of steps (bytes) from the local version to ``target``.
+
+        Raises:
+            WeightsUnavailable: no chain of stored, non-excluded objects reaches ``target``.
+            StoreError: the listing failed.
+        """
+        start = -1 if self.version is None else self.version
+        best: dict[int, tuple[int, list[Step]]] = {start: (0, [])} if self.version is not None else {}
+        for v, objs in sorted(self.store.versions(self.policy).items()):
+            if v <= start or v > target:
+                continue
+            cands = []
+            full = objs.get("full")
+            if full is not None and full.key not in self._bad:
+                cands.append((full.size, [Step(v, "full", None, full)]))
+            delta = objs.get("delta")
+            if delta is not None and delta.key not in self._bad:
+                try:
+                    base = self._base_of(delta)
+                except (StoreError, WeightFormatError) as e:
+                    log.warning("puller %s: ignoring delta %s: %s", self.policy, self.store.uri_of(delta.key), e)
+                    base = None
+                if base in best:
+                    cost, steps = best[base]
+                    cands.append((cost + delta.size, steps + [Step(v, "delta", base, delta)]))
+            if cands:
+                best[v] = min(cands, key=lambda c: c[0])
+        if target not in best:
+            raise WeightsUnavailable(f"policy {self.policy!r}: no stored chain reaches version {target} from "
+                                     f"{self.version} (objects missing, corrupt or deleted by retention)")
+        return best[target][1]
+
+    # ---- fetching and applying ------------------------------------------------------------
+
+    def _fetch(self, key: str, start: int | None = None, length: int | None = None, path: Path | None = None):
+        for attempt in Retrying(stop=stop_after_attempt(self.attempts), reraise=True,
+                                wait=wait_exponential(multiplier=self.backoff_s, max=5.0),
+                                retry=retry_if_exception_type(StoreError),
+                                before_sleep=before_sleep_log(log, logging.WARNING)):
+            with attempt:
+                if path is not None:
+                    return self.store.download(key, path)
+                return self.store.get(key, start=start, length=length)
+
+    def _apply(self, step: Step, expect_sha: str | None) -> None:
+        uri = self.store.uri_of(step.obj.key)
+        if step.kind == "delta":
+            data = self._fetch(step.obj.key)
+            hdr = apply_delta(data, self.state, expect_sha256=expect_sha, base_sha256=self.sha256)
+            self.version, self.sha256 = step.version, hdr.sha256
+            return
+        with tempfile.TemporaryDirectory(prefix="astraflow-pull-") as tmp:
+            path = Path(tmp) / "full.safetensors"
+            self._fetch(step.obj.key, path=path)
+            state, version, sha = load_full(path, self.state, expect_sha256=expect_sha)
+            if version != step.version:
+                raise WeightFormatError(f"{uri} holds version {version}, expected {step.version}")
+        self.state, self.version, self.sha256 = dict(state), version, sha
+        log.debug("puller %s: loaded %s", self.policy, uri)
+
+    def sync(self, target: int | None = None) -> bool:
+        """Bring the local weights to ``target`` (default: the newest announced version).
+
+        Returns:
+            True if the version changed (``on_update`` was called), False if already there.
+
+        Raises:
+            WeightsUnavailable: the target cannot be reached now (after retries
+                and fallbacks). The local weights stay at the last verified
+                version and the engine keeps what it has.
+        """
+        target = self.newest if target is None else target
+        if target is None or (self.version is not None and target <= self.version):
+            return False
+        expect = self.announced[target].sha256 if target in self.announced else None
+        tried: dict[str, int] = {}
+        while self.version != target:
+            try:
+                steps = self.plan(target)
+            except ObjectMissing as e:
+                self._bad.add(step.obj.key)
+                log.warning("puller %s: %s is missing after %d attempts (%s); replanning without it",
+                            self.policy, uri, self.attempts, e)
+            except StoreError as e:
+                raise WeightsUnavailable(f"policy {self.policy!r}: cannot list the store: {e}") from e
+            step = steps[0]
+            uri = self.store.uri_of(step.obj.key)
+            try:
+                self._apply(step, expect if step.version == target else None)
+            except ObjectMissing as e:
+                self._bad.add(step.obj.key)
+                log.warning("puller %s: %s is missing after %d attempts (%s); replanning without it",
+                            self.policy, uri, self.attempts, e)
+            except StoreError as e:
+                raise WeightsUnavailable(f"policy {self.policy!r}: {step.kind} for version {step.version} "
+                                         f"({uri}) could not be fetched after {self.attempts} attempts: {e}; "
+                                         f"keeping version {self.version}") from e
+            except WeightFormatError as e:
+                tried[step.obj.key] = tried.get(step.obj.key, 0) + 1
+                if tried[step.obj.key] == 1:
+                    log.warning("puller %s: %s is corrupt (%s); refetching", self.policy, uri, e)
+                else:
+                    self._bad.add(step.obj.key)
+                    log.warning("puller %s: %s is corrupt again (%s); excluding it and falling back "
+                                "(full snapshot if the chain is broken)", self.policy, uri, e)
+        if self.on_update is not None:
+            self.on_update(self.state, self.version)
+        return True
+
+    def to_safetensors_dir(self, path: str | Path, copy_from: str | Path | None = None) -> Path:
+        """Write the verified local weights as ``<path>/model.safetensors`` (atomically, by rename).
+
+        For SGLang's ``update_weights_from_disk``: ``copy_from`` names a model
+        directory whose ``*.json`` files (config, tokenizer) are copied too.
+
+        Raises:
+            WeightsUnavailable: there are no local weights yet.
+        """
+        from safetensors.torch import save_file
+
+        if self.state is None:
+            raise WeightsUnavailable(f"policy {self.policy!r}: no weights pulled yet")
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        if copy_from is not None:
+            for f in Path(copy_from).glob("*.json"):
+                shutil.copy2(f, out / f.name)
+        tmp = out / ".model.safetensors.tmp"
+        save_file(self.state, str(tmp), metadata={"version": str(self.version), "sha256": self.sha256 or ""})
+        os.replace(tmp, out / "model.safetensors")
+        return out
