@@ -697,6 +697,7 @@ class LocalConsumer(Consumer):
         self._assigned = False
         self._readers: dict[TopicPartition, _Reader] = {}
         self._pending: dict[TopicPartition, tuple[str, int]] = {}   # seeks awaiting assignment
+        self._default_seek: tuple[str, int] | None = None   # seek for the first partitions assigned
         self._paused: set[TopicPartition] = set()
         self._signature: tuple[int, int] | None = None
         self._last_heartbeat = 0.0
@@ -744,6 +745,10 @@ class LocalConsumer(Consumer):
             return
         if committed is None:
             committed = self._group.read_offsets() if self._group is not None else {}
+        if self._default_seek is not None:
+            for tp in partitions:
+                self._pending.setdefault(tp, self._default_seek)
+            self._default_seek = None
         for tp in partitions:
             self._bus._topics.require(tp.topic)
             offset = committed.get(tp.topic, {}).get(str(tp.partition))
@@ -896,16 +901,24 @@ class LocalConsumer(Consumer):
         else:
             self._pending[tp] = (kind, value)
 
+    def _seek_many(self, partitions: list[TopicPartition] | None, kind: str, value: int) -> None:
+        if partitions is None and not self._readers:
+            self._default_seek = (kind, value)      # nothing assigned yet: apply to the first assignment
+            return
+        for tp in (self.assignment() if partitions is None else partitions):
+            self._seek(tp, kind, value)
+
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self._seek(tp, "offset", offset)
 
     def seek_to_beginning(self, partitions: list[TopicPartition] | None = None) -> None:
-        for tp in (self.assignment() if partitions is None else partitions):
-            self._seek(tp, "beginning", 0)
+        """Read from the log start offset; with None and nothing assigned yet, applies to the first assignment."""
+        self._seek_many(partitions, "beginning", 0)
 
     def seek_to_timestamp(self, timestamp_ms: int, partitions: list[TopicPartition] | None = None) -> None:
-        for tp in (self.assignment() if partitions is None else partitions):
-            self._seek(tp, "timestamp", timestamp_ms)
+        """Read from the first record with timestamp >= ``timestamp_ms`` (the end when none); with None and
+        nothing assigned yet, applies to the first assignment."""
+        self._seek_many(partitions, "timestamp", timestamp_ms)
 
     def lag(self) -> dict[TopicPartition, int]:
         committed = self.committed(self.assignment())
