@@ -40,3 +40,28 @@ def make_outcome(pid: str, rewards, version=0) -> RolloutOutcome:
     return RolloutOutcome(prompt_id=pid, group_id=f"{pid}-{uuid.uuid4().hex[:6]}", policy="solver",
                           rewards=rewards, zero_adv=len(set(rewards)) == 1, version=version)
 
+
+
+def read_all(bus, topic: str, expect_at_least: int, timeout_s: float = 60.0, settle_s: float = 1.0,
+             read_committed: bool = True):
+    """Every record of ``topic`` from the beginning (a group-less reader), waiting until at least
+    ``expect_at_least`` arrived (or ``timeout_s`` passed), then ``settle_s`` more for stragglers."""
+    import time
+
+    from topics.bus import TopicPartition
+
+    parts = sorted(bus.admin().end_offsets(topic))
+    reader = bus.consumer(None, read_committed=read_committed)
+    reader.seek_to_beginning()  # before assign: the assignment then starts at the beginning
+    reader.assign([TopicPartition(topic, p) for p in parts])
+    out = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and len(out) < expect_at_least:
+            out += reader.poll(500, 0.5)
+        settle = time.monotonic() + settle_s
+        while time.monotonic() < settle:
+            out += reader.poll(500, 0.2)
+    finally:
+        reader.close()
+    return out

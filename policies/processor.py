@@ -1,0 +1,313 @@
+"""The policy runtime: filter chains as stream processors, curators as a gate before ``prompts``.
+
+:class:`FilterProcessor` (DESIGN.md, step 4) is a member of consumer group
+``filter.<policy>`` on ``trajectories.<policy>`` and writes the groups its
+filter chain keeps to ``samples.<policy>``. Each poll batch is one
+transaction: consume, decide, produce, and send the consumed offsets in the
+transaction. On Kafka that is exactly-once for ``read_committed`` readers (a
+killed processor's open transaction is aborted when it restarts with the same
+``transactional.id``). On the embedded bus the same calls are at-least-once
+(records are appended, then offsets committed) and readers de-duplicate by
+``group_id``. Kept groups are forwarded byte-identical: the original record
+value, key and headers, never re-encoded. Records that fail to decode go to
+``deadletter`` in the same transaction. Kept and dropped counts, by reason, go
+to ``metrics`` in the same transaction, so on Kafka they are exactly-once too.
+
+:class:`CuratorGate` (DESIGN.md, step 2) sits between acquisition and
+``prompts``: it asks the curator chain about each prompt before sending it,
+learns from ``outcomes`` (``Curator.update``), and follows ``weights``
+(``Curator.on_version``).
+
+Command line (one filter processor; SIGTERM/SIGINT stop it after the current batch)::
+
+    python -m policies.processor --bus kafka://127.0.0.1:9092 --run RUN --policy solver \\
+        --filters '[{"name": "filter_zero_adv"}, {"name": "filter_length", "max_tokens": 4096}]'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Iterable, Sequence
+
+from policies.base import KEEP, Curator, Decision, Filter
+from policies.registry import build_chain
+from topics.bus import Bus, BusError, TopicPartition, connect, offsets_after
+from topics.codec import encode, headers_for
+from topics.deadletter import ValidatingConsumer
+from topics.names import TopicNames
+from topics.schemas import Metric, Prompt, RolloutOutcome, TrajectoryGroup, WeightAnnouncement
+
+log = logging.getLogger(__name__)
+
+
+def _metric(component: str, policy: str, counts: Counter) -> Metric:
+    return Metric(component=component, kind="policy", policy=policy,
+                  values={k: float(v) for k, v in sorted(counts.items())})
+
+
+class FilterProcessor:
+    """A filter chain as an exactly-once (Kafka) / at-least-once (embedded bus) stream processor.
+
+    Args:
+        bus: the bus.
+        run: the run prefix of the topic names.
+        policy: the trained policy whose ``trajectories.<policy>`` is filtered into ``samples.<policy>``.
+        filters: the chain, applied in order; the first drop decides the reason.
+        instance: this replica's id; ``transactional.id`` is ``<run>.filter.<policy>.<instance>``,
+            so a restarted instance fences its killed predecessor and aborts its open transaction.
+        max_records: the most records per poll batch (= per transaction).
+        poll_timeout_s: seconds a poll waits for the first record.
+        metrics_interval_s: seconds between ``metrics`` records (counts since the previous one).
+        session_timeout_s: seconds after which a silent member (a killed processor) leaves the group.
+
+    Attributes:
+        totals: counts since start: ``consumed``, ``kept``, ``dropped``,
+            ``dropped.<reason>``, ``dead_letter``.
+
+    Raises:
+        BusError: the consumer group or the transactional producer cannot be set up.
+    """
+
+    def __init__(self, bus: Bus, run: str, policy: str, filters: Sequence[Filter], *, instance: str = "0",
+                 max_records: int = 200, poll_timeout_s: float = 1.0, metrics_interval_s: float = 5.0,
+                 session_timeout_s: float = 10.0):
+        self.names = TopicNames(run)
+        self.policy, self.filters = policy, list(filters)
+        self.group = f"filter.{policy}"
+        self.component = f"filter.{policy}.{instance}"
+        self.source, self.sink = self.names.trajectories(policy), self.names.samples(policy)
+        self.max_records, self.poll_timeout_s = max_records, poll_timeout_s
+        self.metrics_interval_s = metrics_interval_s
+        self.producer = bus.producer(transactional_id=f"{run}.filter.{policy}.{instance}")
+        self.consumer = bus.consumer(self.group, client_id=self.component, session_timeout_s=session_timeout_s)
+        self.consumer.subscribe([self.source])
+        self.reader = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, TrajectoryGroup)
+        self.pending: Counter = Counter()  # counts not yet in a committed metrics record
+        self.totals: Counter = Counter()
+        self._last_metrics = time.monotonic()
+
+    def decide(self, group: TrajectoryGroup) -> Decision:
+        """The chain's decision: the first filter that drops ``group`` gives the reason."""
+        for f in self.filters:
+            d = f.keep(group)
+            if not d.keep:
+                return d
+        return KEEP
+
+    def step(self) -> int:
+        """Poll one batch and process it in one transaction; returns the number of records consumed.
+
+        Raises:
+            BusError: the transaction failed (it was aborted: nothing of it is
+                visible and the offsets are not committed); restart the processor.
+        """
+        records = self.consumer.poll(self.max_records, self.poll_timeout_s)
+        due = self.pending and time.monotonic() - self._last_metrics >= self.metrics_interval_s
+        if not records and not due:
+            return 0
+        counts: Counter = Counter(consumed=len(records))
+        self.producer.begin_transaction()
+        try:
+            rejected = self.reader.rejected
+            for rec, group in self.reader.decode(records):
+                d = self.decide(group)
+                if d.keep:
+                    self.producer.send(self.sink, rec.value, key=rec.key, headers=rec.headers)
+                    counts["kept"] += 1
+                else:
+                    counts["dropped"] += 1
+                    counts[f"dropped.{d.reason}"] += 1
+            if self.reader.rejected > rejected:
+                counts["dead_letter"] = self.reader.rejected - rejected
+            batch = self.pending + counts
+            emit = time.monotonic() - self._last_metrics >= self.metrics_interval_s
+            if emit:
+                m = _metric(self.component, self.policy, batch)
+                self.producer.send(self.names.metrics, encode(m), key=self.component, headers=headers_for(m))
+            self.producer.commit_transaction(self.consumer, offsets_after(records))
+        except BaseException:
+            try:
+                self.producer.abort_transaction()
+            except BusError as e:  # commit_transaction already aborted, or the producer is fenced
+                log.debug("abort after a failed transaction: %s", e)
+            raise
+        self.totals += counts
+        if emit:
+            self.pending, self._last_metrics = Counter(), time.monotonic()
+        else:
+            self.pending = batch
+        return len(records)
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Process batches until ``stop`` is set; then write the last counts to ``metrics`` and close."""
+        stop = stop or threading.Event()
+        try:
+            while not stop.is_set():
+                self.step()
+            self.metrics_interval_s = 0.0
+            if self.pending:
+                self.step()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Leave the consumer group and release the producer (an open transaction is never left behind)."""
+        self.consumer.close()
+        self.producer.close()
+
+
+class CuratorGate:
+    """The curator chain between prompt acquisition and ``prompts``.
+
+    A prompt is sent when every curator's ``should_submit`` agrees (asked in
+    order; the first refusal is counted as ``skipped.<curator name>``).
+    Before each decision the gate drains, without waiting, the ``outcomes``
+    of ``policy`` (consumer group ``curator.<policy>``; each outcome goes to
+    every curator's ``update``, and the offsets are committed after) and the
+    ``weights`` announcements of ``policy`` (a newer version goes to every
+    curator's ``on_version``).
+
+    Args:
+        bus: the bus.
+        run: the run prefix of the topic names.
+        curators: the chain, in config order.
+        policy: the trained policy whose outcomes and weight versions are followed.
+        metrics_interval_s: seconds between ``metrics`` records (``submitted``, ``skipped``, ``skipped.<name>``).
+
+    Attributes:
+        version: the newest announced weight version of ``policy`` (-1 before any).
+        totals: counts since start.
+    """
+
+    def __init__(self, bus: Bus, run: str, curators: Sequence[Curator], *, policy: str,
+                 metrics_interval_s: float = 5.0):
+        self.names = TopicNames(run)
+        self.curators, self.policy = list(curators), policy
+        self.component = f"curator.{policy}"
+        self.metrics_interval_s = metrics_interval_s
+        self.version = -1
+        self.producer = bus.producer()
+        self.outcomes = bus.consumer(f"curator.{policy}", client_id=self.component)
+        self.outcomes.subscribe([self.names.outcomes])
+        self.weights = bus.consumer(None, client_id=self.component)
+        self.weights.seek_to_beginning()  # before assign: the assignment then starts at the beginning
+        self.weights.assign([TopicPartition(self.names.weights, 0)])
+        self._outcomes = ValidatingConsumer(self.outcomes, self.producer, self.names.deadletter, RolloutOutcome)
+        self._weights = ValidatingConsumer(self.weights, self.producer, self.names.deadletter, WeightAnnouncement)
+        self.pending: Counter = Counter()
+        self.totals: Counter = Counter()
+        self._last_metrics = time.monotonic()
+
+    def pump(self, timeout_s: float = 0.0) -> int:
+        """Apply pending ``weights`` and ``outcomes`` to the curators, waiting up to ``timeout_s`` seconds
+        for outcomes; returns the number of outcomes applied."""
+        for _, ann in self._weights.poll(500, 0.0):
+            if ann.policy == self.policy and ann.version > self.version:
+                self.version = ann.version
+                for c in self.curators:
+                    c.on_version(ann.version)
+        applied = 0
+        for _, outcome in self._outcomes.poll(500, timeout_s):
+            if outcome.policy == self.policy:
+                for c in self.curators:
+                    c.update(outcome)
+                applied += 1
+        if self._outcomes.last_offsets:
+            self.outcomes.commit(self._outcomes.last_offsets)
+            self._outcomes.last_offsets = {}
+        return applied
+
+    def submit(self, prompt: Prompt) -> bool:
+        """Ask the curators about ``prompt`` and send it to ``prompts`` (key ``prompt_id``) if they agree.
+
+        Returns:
+            whether the prompt was sent (queued; see :meth:`flush`).
+        """
+        self.pump()
+        refusal = next((c for c in self.curators if not c.should_submit(prompt, self.version)), None)
+        if refusal is None:
+            self.producer.send(self.names.prompts, encode(prompt), key=prompt.prompt_id, headers=headers_for(prompt))
+            self.pending["submitted"] += 1
+        else:
+            self.pending["skipped"] += 1
+            self.pending[f"skipped.{refusal.name or type(refusal).__name__}"] += 1
+        if time.monotonic() - self._last_metrics >= self.metrics_interval_s:
+            self.flush()
+        return refusal is None
+
+    def run(self, source: Iterable[Prompt]) -> Counter:
+        """Submit every prompt of ``source`` through the gate, flush, and return the totals."""
+        for prompt in source:
+            self.submit(prompt)
+        self.flush()
+        return self.totals
+
+    def flush(self) -> None:
+        """Write the pending counts to ``metrics`` and wait until everything sent is acknowledged.
+
+        Raises:
+            DeliveryError: some records were not acknowledged.
+        """
+        if self.pending:
+            m = _metric(self.component, self.policy, self.pending)
+            self.producer.send(self.names.metrics, encode(m), key=self.component, headers=headers_for(m))
+            self.totals += self.pending
+            self.pending = Counter()
+        self._last_metrics = time.monotonic()
+        self.producer.flush()
+
+    def close(self) -> None:
+        """Flush, then release the producer and both consumers."""
+        try:
+            self.flush()
+        finally:
+            self.outcomes.close()
+            self.weights.close()
+            self.producer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m policies.processor``: run one filter processor until SIGTERM/SIGINT.
+
+    Exit status: 0 after a clean stop, 2 for a bad config (the message names the policy and parameter).
+    """
+    ap = argparse.ArgumentParser(prog="python -m policies.processor", description=__doc__.split("\n")[0])
+    ap.add_argument("--bus", required=True, help="kafka://host:port or local://PATH")
+    ap.add_argument("--run", required=True, help="run prefix of the topic names")
+    ap.add_argument("--policy", required=True, help="the trained policy (topics trajectories.<policy> -> samples.<policy>)")
+    ap.add_argument("--filters", default='[{"name": "accept_all"}]',
+                    help='JSON list of {"name": ..., **params}; a user class is "module:Class"')
+    ap.add_argument("--instance", default="0", help="replica id (part of the transactional.id)")
+    ap.add_argument("--max-records", type=int, default=200, help="records per transaction")
+    ap.add_argument("--metrics-interval-s", type=float, default=5.0)
+    ap.add_argument("--session-timeout-s", type=float, default=10.0,
+                    help="seconds before a killed member's partitions are reassigned")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        specs = json.loads(args.filters)
+        filters = build_chain(specs, Filter)
+    except (ValueError, TypeError) as e:  # PolicyConfigError and JSONDecodeError are ValueErrors
+        print(f"bad --filters: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    proc = FilterProcessor(connect(args.bus), args.run, args.policy, filters, instance=args.instance,
+                           max_records=args.max_records, metrics_interval_s=args.metrics_interval_s,
+                           session_timeout_s=args.session_timeout_s)
+    log.info("filter processor %s: %s -> %s with %s", proc.component, proc.source, proc.sink,
+             [f.name or type(f).__name__ for f in filters])
+    proc.run(stop)
+    log.info("stopped: %s", dict(proc.totals))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
