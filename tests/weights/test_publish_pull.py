@@ -1,0 +1,214 @@
+"""Publisher and puller against the real Kafka broker and real stores (local directory, moto S3 server)."""
+import logging
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import topics.bus as bus_api
+from topics.names import TopicNames
+from weights.codec import bits, load_full, state_sha256
+from weights.publisher import Publisher
+from weights.puller import Puller, WeightsUnavailable
+from weights.store import WeightStore
+
+
+class SlowStore(WeightStore):
+    """A real store whose uploads take ``delay_s`` longer, like a distant bucket."""
+
+    delay_s = 0.4
+
+    def put(self, key, data):
+        time.sleep(self.delay_s)
+        super().put(key, data)
+
+
+class StaleListingStore(WeightStore):
+    """A real store whose listing lags deletions (as S3 listings may): it keeps its first listing."""
+
+    _listing = None
+
+    def objects(self, policy):
+        if self._listing is None:
+            self._listing = super().objects(policy)
+        return self._listing
+
+
+class Trainer:
+    """A tiny bf16 model trained by AdamW on random tokens: real optimizer steps."""
+
+    def __init__(self, seed=0):
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)
+        self.model = torch.nn.Sequential(torch.nn.Embedding(64, 48), torch.nn.Linear(48, 96), torch.nn.GELU(),
+                                         torch.nn.Linear(96, 64)).to(torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-5)
+
+    def step(self):
+        x = torch.randint(0, 64, (16, 16))
+        logits = self.model(x[:, :-1]).flatten(0, 1).float()
+        loss = torch.nn.functional.cross_entropy(logits, x[:, 1:].flatten())
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+
+    def snapshot(self):
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+def assert_bit_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(bits(a[k]), bits(b[k])), k
+
+
+@pytest.fixture
+def run(kafka_url):
+    bus = bus_api.connect(kafka_url)
+    names = TopicNames(f"w-{uuid.uuid4().hex[:10]}")
+    bus.admin().create_topic(names.weights, partitions=1, compacted=True)
+    return bus, names
+
+
+def wait_newest(puller, version, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while puller.poll(timeout_s=0.5) != version:
+        assert time.monotonic() < deadline, f"announcement of version {version} not seen (newest {puller.newest})"
+
+
+def publish_versions(trainer, pub, versions):
+    """Train one step per version, publish it and wait until it is announced (no coalescing)."""
+    snaps = {}
+    for v in versions:
+        if v:
+            trainer.step()
+        snaps[v] = trainer.snapshot()
+        pub.publish(trainer.model.state_dict(), v)
+        assert pub.wait(60)
+    return snaps
+
+
+def test_publish_does_not_wait_for_slow_store(run, tmp_path):
+    bus, names = run
+    store = SlowStore(WeightStore.default_uri(tmp_path), names.run)
+    trainer = Trainer()
+    plain = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        trainer.step()
+        plain.append(time.perf_counter() - t0)
+    pub = Publisher(store, bus, names, "solver")
+    with_publish, copies = [], []
+    for v in range(1, 7):
+        t0 = time.perf_counter()
+        trainer.step()
+        copies.append(pub.publish(trainer.model.state_dict(), v))
+        with_publish.append(time.perf_counter() - t0)
+    pub.close()
+    # each upload sleeps 0.4 s; the step pays only the host copy (generous slack for a busy CI machine)
+    assert max(with_publish) < max(plain) + max(copies) + 0.25 < SlowStore.delay_s + 0.25, (plain, with_publish, copies)
+    versions = [a.version for a in pub.announcements]
+    assert versions == sorted(versions) and versions[-1] == 6 and not pub.errors
+    assert len(versions) < 6, "uploads were slower than steps, so some versions must have been coalesced"
+    assert pub.announcements[0].kind == "full" and pub.announcements[0].reason == "first version"
+
+
+def test_puller_five_behind_catches_up_through_the_chain(run, tmp_path):
+    bus, names = run
+    store = WeightStore(WeightStore.default_uri(tmp_path), names.run)
+    trainer = Trainer()
+    pub = Publisher(store, bus, names, "solver")
+    snaps = publish_versions(trainer, pub, [0])
+    updates = []
+    puller = Puller(store, bus, names, "solver", on_update=lambda state, v: updates.append(v))
+    wait_newest(puller, 0)
+    assert puller.sync() and puller.version == 0
+    snaps |= publish_versions(trainer, pub, range(1, 6))
+    pub.close()
+    assert [a.kind for a in pub.announcements] == ["full"] + ["delta"] * 5
+    assert all(0.5 < a.sparsity < 1 for a in pub.announcements[1:])
+    wait_newest(puller, 5)
+    steps = puller.plan(5)
+    assert [(s.kind, s.base, s.version) for s in steps] == [("delta", v - 1, v) for v in range(1, 6)]
+    assert puller.sync()
+    assert updates == [0, 5] and puller.sha256 == pub.announcements[-1].sha256
+    assert_bit_equal(puller.state, snaps[5])
+    out = puller.to_safetensors_dir(tmp_path / "engine")
+    loaded, _, sha = load_full(out / "model.safetensors")
+    assert sha == state_sha256(snaps[5]) and not (out / ".model.safetensors.tmp").exists()
+    # a fresh puller starts from the full snapshot, then the deltas
+    fresh = Puller(store, None, names, "solver")
+    assert [s.kind for s in fresh.plan(5)] == ["full"] + ["delta"] * 5
+    fresh.sync(5)
+    assert_bit_equal(fresh.state, snaps[5])
+    puller.close()
+
+
+def test_corrupt_delta_is_refetched_then_replaced_by_a_full_snapshot(run, tmp_path, caplog):
+    bus, names = run
+    store = WeightStore(WeightStore.default_uri(tmp_path), names.run)
+    trainer = Trainer()
+    pub = Publisher(store, bus, names, "solver", max_chain=2)  # full snapshot every third version
+    snaps = publish_versions(trainer, pub, range(6))
+    pub.close()
+    assert [a.kind for a in pub.announcements] == ["full", "delta", "delta", "full", "delta", "delta"]
+    assert "periodic full" in pub.announcements[3].reason
+    puller = Puller(store, None, names, "solver", state=snaps[0], version=0)
+    path = Path(tmp_path / "weights" / store.key("solver", 2, "delta"))
+    data = bytearray(path.read_bytes())
+    data[-8] ^= 0x10
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="weights.puller"):
+        assert puller.sync(5)
+    text = caplog.text
+    assert "00000002/delta.zst is corrupt" in text and "refetching" in text and "falling back" in text
+    assert_bit_equal(puller.state, snaps[5])
+
+
+def test_missing_object_clear_error_retry_and_old_weights_kept(run, tmp_path, caplog):
+    bus, names = run
+    uri = WeightStore.default_uri(tmp_path)
+    trainer = Trainer()
+    pub = Publisher(WeightStore(uri, names.run), bus, names, "solver")
+    snaps = publish_versions(trainer, pub, range(4))
+    pub.close()
+    store = StaleListingStore(uri, names.run)
+    updates = []
+    puller = Puller(store, None, names, "solver", state={k: v.clone() for k, v in snaps[2].items()}, version=2,
+                    on_update=lambda state, v: updates.append(v), attempts=3, backoff_s=0.01)
+    assert [s.version for s in puller.plan(3)] == [3]  # the listing is taken now, then the object disappears
+    key = store.key("solver", 3, "delta")
+    target = tmp_path / "weights" / key
+    saved = target.read_bytes()
+    target.unlink()
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(WeightsUnavailable, match="no stored chain reaches version 3"):
+            puller.sync(3)
+    assert caplog.text.count("Retrying") == 2 and "00000003/delta.zst is missing after 3 attempts" in caplog.text
+    assert puller.version == 2 and updates == []
+    assert_bit_equal(puller.state, snaps[2])
+    # the object comes back (e.g. a late upload): a later sync with a fresh listing succeeds
+    target.write_bytes(saved)
+    puller.store = WeightStore(uri, names.run)
+    puller._bad.clear()
+    assert puller.sync(3) and updates == [3]
+    assert_bit_equal(puller.state, snaps[3])
+
+
+def test_publish_and_pull_through_s3(run, s3_uri):
+    bus, names = run
+    uri, options = s3_uri
+    store = WeightStore(uri, names.run, **options)
+    trainer = Trainer()
+    pub = Publisher(store, bus, names, "solver", keep_versions=2)
+    snaps = publish_versions(trainer, pub, range(4))
+    pub.close()
+    assert pub.announcements[-1].uri.startswith(f"{uri}/{names.run}/solver/00000003/")
+    puller = Puller(WeightStore(uri, names.run, **options), bus, names, "solver")
+    wait_newest(puller, 3)
+    assert puller.sync()
+    assert_bit_equal(puller.state, snaps[3])
+    puller.close()
