@@ -386,17 +386,22 @@ class _Topics:
             raise BusError(f"topic name {name!r} may only hold 1-249 letters, digits, '.', '_' and '-'")
         return self.dir / name
 
-    def meta(self, name: str) -> dict | None:
-        """{"partitions": n, "config": {...}} of ``name``, or None when it does not exist."""
-        meta = self._meta.get(name)
+    def meta(self, name: str, fresh: bool = False) -> dict | None:
+        """{"partitions": n, "config": {...}} of ``name``, or None when it does not exist.
+
+        ``fresh`` reads the disk instead of this process's cache (another process may have deleted it).
+        """
+        meta = None if fresh else self._meta.get(name)
         if meta is None:
             meta = _read_json(self.path(name) / "meta.json", None)
-            if meta is not None:
+            if meta is None:
+                self._meta.pop(name, None)
+            else:
                 self._meta[name] = meta
         return meta
 
-    def require(self, name: str) -> dict:
-        meta = self.meta(name)
+    def require(self, name: str, fresh: bool = False) -> dict:
+        meta = self.meta(name, fresh)
         if meta is None:
             raise BusError(f"topic {name!r} does not exist")
         return meta
@@ -691,6 +696,7 @@ class LocalConsumer(Consumer):
         self._read_committed = read_committed   # aborted records are never written here: nothing to filter
         self._session_ms = int(session_timeout_s * 1000)
         self._heartbeat_s = min(1.0, session_timeout_s / 4)
+        self._check_s = min(0.25, self._heartbeat_s)     # how often to look for expired members
         self._member_id = f"{client_id or 'consumer'}-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._group = _Group(bus.root, group) if group is not None else None
         self._topics: list[str] | None = None            # subscribed topics (None: not subscribed)
@@ -701,6 +707,7 @@ class LocalConsumer(Consumer):
         self._paused: set[TopicPartition] = set()
         self._signature: tuple[int, int] | None = None
         self._last_heartbeat = 0.0
+        self._last_check = 0.0
         self._rotation = 0
         self._closed = False
 
@@ -768,15 +775,16 @@ class LocalConsumer(Consumer):
     def _sync(self, force: bool = False) -> None:
         """Heartbeat, expire dead members, recompute the assignment, release lost and take free partitions.
 
-        Cheap unless forced, the group state changed on disk, or a heartbeat is due.
+        Cheap (one stat) unless forced, the group state changed on disk, or a check or heartbeat is due.
         """
         if self._topics is None or self._closed:
             return
         now = time.monotonic()
         signature = self._group.state_signature()
         due = now - self._last_heartbeat >= self._heartbeat_s
-        if not (force or due or signature != self._signature):
+        if not (force or due or signature != self._signature or now - self._last_check >= self._check_s):
             return
+        self._last_check = now
         with self._group.locked():
             state = self._group.read_state()
             members: dict[str, dict] = state["members"]
@@ -958,7 +966,7 @@ class LocalAdmin(Admin):
         self._bus._topics.create(name, partitions, _topic_config(compacted, retention_ms, config))
 
     def describe_topic(self, name: str) -> TopicInfo:
-        meta = self._bus._topics.require(name)
+        meta = self._bus._topics.require(name, fresh=True)
         return TopicInfo(name, meta["partitions"], dict(meta["config"]))
 
     def list_topics(self) -> list[str]:
@@ -975,16 +983,16 @@ class LocalAdmin(Admin):
     def end_offsets(self, topic: str) -> dict[int, int]:
         topics = self._bus._topics
         return {p: self._bus._tails.end_offset(topics.partition(topic, p))
-                for p in range(topics.require(topic)["partitions"])}
+                for p in range(topics.require(topic, fresh=True)["partitions"])}
 
     def start_offsets(self, topic: str) -> dict[int, int]:
         """Per partition, the earliest retained offset (retention that is due is applied first)."""
         return {p: _start_offset(self._bus._topics, topic, p)
-                for p in range(self._bus._topics.require(topic)["partitions"])}
+                for p in range(self._bus._topics.require(topic, fresh=True)["partitions"])}
 
     def group_offsets(self, group: str, topic: str) -> dict[int, int | None]:
         stored = _Group(self._bus.root, group).read_offsets().get(topic, {})
-        return {p: stored.get(str(p)) for p in range(self._bus._topics.require(topic)["partitions"])}
+        return {p: stored.get(str(p)) for p in range(self._bus._topics.require(topic, fresh=True)["partitions"])}
 
     def compact(self, topic: str) -> None:
         """Compact (and apply retention to) every partition of ``topic`` now, whatever is due.
@@ -992,7 +1000,7 @@ class LocalAdmin(Admin):
         Raises:
             BusError: the topic does not exist or is not compacted.
         """
-        meta = self._bus._topics.require(topic)
+        meta = self._bus._topics.require(topic, fresh=True)
         if "compact" not in meta["config"].get("cleanup.policy", ""):
             raise BusError(f"topic {topic!r} is not compacted (cleanup.policy={meta['config'].get('cleanup.policy')})")
         for p in range(meta["partitions"]):
