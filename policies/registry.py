@@ -16,14 +16,13 @@ import importlib
 import inspect
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
-from policies.base import Curator, Filter, Policy, PolicyConfigError, ServingPolicy
+from policies.base import Policy, PolicyConfigError
 
 P = TypeVar("P", bound=type)
 
 _REGISTRY: dict[str, type[Policy]] = {}
 _BUILTIN_MODULES = ("policies.curators", "policies.filters", "policies.replay", "policies.mix",
                     "policies.staleness")
-_KINDS: tuple[type[Policy], ...] = (Curator, Filter, ServingPolicy)
 
 
 def register_policy(name: str) -> Callable[[P], P]:
