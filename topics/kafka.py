@@ -239,6 +239,8 @@ class KafkaConsumer(Consumer):
                                                           KafkaError._TRANSPORT):
                         raise BusError(f"consume failed: {err}")
                     continue
+                if (m.topic(), m.partition()) in self._pending:
+                    continue  # fetched before a pending seek on its partition: refetched after the seek
                 ts_type, ts = m.timestamp()
                 out.append(Record(m.topic(), m.partition(), m.offset(), m.key(), m.value(),
                                   {k: v for k, v in (m.headers() or [])}, ts))
