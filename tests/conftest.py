@@ -38,32 +38,8 @@ def bus_url(request, tmp_path) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    """Directory of the tiny arithmetic model (``scripts/make_tiny_model.py``), built once.
+    """Directory of the tiny arithmetic model (``scripts/make_tiny_model.py``), built once and cached
+    (see :func:`astraflow.models.tiny_model_dir`)."""
+    from astraflow.models import tiny_model_dir as build
 
-    The build is cached under ``$ASTRAFLOW_CACHE`` (default ``~/.cache/astraflow``)
-    as ``tiny-model-<sha256 of the script, 12 hex>``, so it is rebuilt only when
-    the script changes. A file lock serialises concurrent test processes; the
-    model is built in a temporary sibling directory and renamed into place.
-    """
-    import fcntl
-    import hashlib
-    import importlib.util
-    import shutil
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_model.py"
-    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
-    cache = Path(os.environ.get("ASTRAFLOW_CACHE", Path.home() / ".cache" / "astraflow"))
-    cache.mkdir(parents=True, exist_ok=True)
-    target = cache / f"tiny-model-{digest}"
-    with open(cache / f"tiny-model-{digest}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").exists():
-            spec = importlib.util.spec_from_file_location("make_tiny_model", script)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            tmp = cache / f"tiny-model-{digest}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            module.make_tiny_model(tmp)
-            os.replace(tmp, target)
-    return target
+    return build()
