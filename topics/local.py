@@ -57,6 +57,7 @@ import re
 import shutil
 import socket
 import struct
+import threading
 import time
 import uuid
 import zlib
@@ -459,19 +460,22 @@ def _start_offset(topics: _Topics, topic: str, p: int) -> int:
     """The log start offset of a partition, applying retention first when it is due."""
     part = topics.partition(topic, p)
     cfg = topics.require(topic)["config"]
-    fd = os.open(part.log, os.O_RDONLY)
     try:
-        due = _maintenance_due(fd, cfg, os.fstat(fd).st_size)[0]
-    finally:
-        os.close(fd)
-    if due:
-        with _flocked(part.lock):
-            fd = os.open(part.log, os.O_RDONLY)
-            try:
-                _rewrite(part, fd, cfg, compact=False)
-            finally:
-                os.close(fd)
-    fd = os.open(part.log, os.O_RDONLY)
+        fd = os.open(part.log, os.O_RDONLY)
+        try:
+            due = _maintenance_due(fd, cfg, os.fstat(fd).st_size)[0]
+        finally:
+            os.close(fd)
+        if due:
+            with _flocked(part.lock):
+                fd = os.open(part.log, os.O_RDONLY)
+                try:
+                    _rewrite(part, fd, cfg, compact=False)
+                finally:
+                    os.close(fd)
+        fd = os.open(part.log, os.O_RDONLY)
+    except FileNotFoundError:
+        raise BusError(f"topic {topic!r} partition {p} does not exist (deleted?)") from None
     try:
         return _read_header(fd)[0]
     finally:
@@ -480,7 +484,10 @@ def _start_offset(topics: _Topics, topic: str, p: int) -> int:
 
 def _offset_for_time(part: _Partition, timestamp_ms: int, end: int) -> int:
     """The first offset whose timestamp is >= ``timestamp_ms``; ``end`` when there is none."""
-    fd = os.open(part.log, os.O_RDONLY)
+    try:
+        fd = os.open(part.log, os.O_RDONLY)
+    except FileNotFoundError:
+        raise BusError(f"partition log {part.log} does not exist (topic deleted?)") from None
     try:
         for _, _, off, ts in _scan(fd, _HEADER.size, os.fstat(fd).st_size):
             if ts >= timestamp_ms:
@@ -557,7 +564,7 @@ def _range_assign(members: dict[str, dict], counts: dict[str, int]) -> dict[str,
 
 
 class LocalProducer(Producer):
-    """Producer of the embedded bus: ``send`` appends at once (visible to readers immediately)."""
+    """Producer of the embedded bus: ``send`` appends at once (visible to readers immediately). Thread-safe."""
 
     def __init__(self, bus: "LocalBus", transactional_id: str | None):
         self._bus = bus
@@ -566,6 +573,7 @@ class LocalProducer(Producer):
         self._round_robin: dict[str, int] = {}
         self._failures: list[tuple[str, bytes | None, str]] = []
         self._txn: list[tuple[str, bytes | None, dict[str, bytes], bytes | None, int | None]] | None = None
+        self._lock = threading.Lock()      # send may be called from several threads, as on Kafka
 
     def send(self, topic: str, value: bytes | None, key: str | bytes | None = None,
              headers: Headers | None = None, partition: int | None = None) -> None:
@@ -578,15 +586,20 @@ class LocalProducer(Producer):
             raise BusError(f"record for topic {topic!r}: value of {len(value)} bytes exceeds the embedded bus "
                            f"limit of {MAX_VALUE_BYTES} bytes")
         k = _as_bytes(key)
-        h = {name: _as_bytes(v) for name, v in (headers or {}).items()}
+        h = {}
+        for name, v in (headers or {}).items():
+            if not isinstance(v, (str, bytes)):
+                raise BusError(f"record for topic {topic!r}: header {name!r} must be str or bytes, not {type(v).__name__}")
+            h[name] = _as_bytes(v)
         meta = self._bus._topics.meta(topic)
         count = meta["partitions"] if meta is not None else 1     # a missing topic is created with 1 partition
         if partition is not None and not 0 <= partition < count:
             raise BusError(f"topic {topic!r} has {count} partition(s); partition {partition} does not exist")
-        if self._txn is not None:
-            self._txn.append((topic, k, h, value, partition))
-        else:
-            self._append(topic, k, h, value, partition)
+        with self._lock:
+            if self._txn is not None:
+                self._txn.append((topic, k, h, value, partition))
+            else:
+                self._append(topic, k, h, value, partition)
 
     def _append(self, topic: str, key: bytes | None, headers: dict[str, bytes], value: bytes | None,
                 partition: int | None) -> None:
@@ -631,7 +644,8 @@ class LocalProducer(Producer):
         Raises:
             DeliveryError: some records could not be appended (compacted topic without key, I/O error, ...).
         """
-        failures, self._failures = self._failures, []
+        with self._lock:
+            failures, self._failures = self._failures, []
         if failures:
             raise DeliveryError(failures)
 
@@ -659,9 +673,10 @@ class LocalProducer(Producer):
         """
         if self._txn is None:
             raise BusError("commit_transaction without begin_transaction")
-        records, self._txn = self._txn, None
-        for topic, k, h, v, p in records:
-            self._append(topic, k, h, v, p)
+        with self._lock:
+            records, self._txn = self._txn, None
+            for topic, k, h, v, p in records:
+                self._append(topic, k, h, v, p)
         self.flush()
         if consumer is not None and offsets:
             consumer.commit(offsets)
