@@ -1,0 +1,237 @@
+"""Prompt acquisition: write a source's prompts to the run's ``prompts`` topic (DESIGN.md, step 1).
+
+The producer walks ``epochs`` passes over a :class:`producers.sources.PromptSource`,
+each pass in a seeded random order, and writes every record as a
+:class:`topics.schemas.Prompt` keyed by ``prompt_id`` (with routing headers from
+:func:`topics.codec.headers_for`). ``metadata["epoch"]`` tells passes apart.
+
+Progress is a small JSON state file (epoch, position in that epoch's order,
+prompts sent) rewritten atomically after each batch's ``flush()`` is
+acknowledged, so a restart resumes where the last acknowledged batch ended.
+Delivery is at-least-once: a crash between a flush and the state write resends
+that one batch.
+
+Pacing: with ``max_outstanding`` set, the producer waits while the RaaS consumer
+group's lag on ``prompts`` (records written but not yet committed, from
+:meth:`topics.bus.Admin.group_lag`) would exceed it, so a run does not dump the
+whole dataset onto the topic at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from producers.sources import PromptSource
+from topics.bus import Bus
+from topics.codec import encode, headers_for
+from topics.names import TopicNames
+
+
+class AcquisitionError(RuntimeError):
+    """The acquisition state does not belong to this source, or cannot be read."""
+
+
+@dataclass
+class AcquisitionState:
+    """How far acquisition got: the next record is ``order(epoch)[position]``.
+
+    Attributes:
+        source, records, seed: identify the source and shuffle this state belongs to.
+        epoch: the current pass (0-based).
+        position: how many records of this epoch's order are done (sent or skipped).
+        sent: prompts acknowledged by the bus, all epochs together.
+        skipped: malformed records skipped, all epochs together.
+    """
+
+    source: str
+    records: int
+    seed: int
+    epoch: int = 0
+    position: int = 0
+    sent: int = 0
+    skipped: int = 0
+
+    @classmethod
+    def load(cls, path: Path, source: str, records: int, seed: int) -> "AcquisitionState":
+        """The state at ``path``, or a fresh one when the file does not exist.
+
+        Raises:
+            AcquisitionError: the file is not valid state JSON, or belongs to
+                another source, size or seed (delete it to start over).
+        """
+        if not path.exists():
+            return cls(source=source, records=records, seed=seed)
+        try:
+            state = cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:
+            raise AcquisitionError(f"acquisition state {path} is not valid ({e}); delete it to start over") from None
+        if (state.source, state.records, state.seed) != (source, records, seed):
+            raise AcquisitionError(
+                f"acquisition state {path} is for source {state.source!r} ({state.records} records, seed "
+                f"{state.seed}), not {source!r} ({records} records, seed {seed}); delete it to start over")
+        return state
+
+    def save(self, path: Path) -> None:
+        """Write the state atomically (temp file + rename)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, path)
+
+
+class Acquisition:
+    """Writes the prompts of ``source`` to ``names.prompts``.
+
+    Args:
+        bus: the bus to write to.
+        names: the run's topic names.
+        source: the prompt source.
+        state_path: the JSON state file (in the run directory); None keeps no state.
+        n_samples: G, samples per group, stamped on each Prompt.
+        workflow: the agent workflow stamped on each Prompt; also names the RaaS
+            group ``raas.<workflow>`` whose lag paces the producer.
+        epochs: passes over the source.
+        seed: shuffle seed; epoch e uses ``random.Random(f"{seed}:{e}")``.
+        shuffle: False keeps record order.
+        batch_size: prompts per flush (and per state write).
+        max_outstanding: pause while the group's lag on ``prompts`` plus the
+            next batch would exceed this many prompts; None never waits.
+        group: the consumer group whose lag paces the producer (default ``raas.<workflow>``).
+        partitions: partition count if the ``prompts`` topic must be created.
+        producer_id: the ``producer_id`` header.
+        metadata: extra metadata merged into every Prompt (e.g. ``{"reward": "boxed_format"}``).
+        poll_s: seconds between lag checks while paced.
+
+    Raises:
+        ValueError: a non-positive ``epochs``, ``batch_size`` or ``max_outstanding``.
+    """
+
+    def __init__(self, bus: Bus, names: TopicNames, source: PromptSource, *, state_path: str | Path | None = None,
+                 n_samples: int = 8, workflow: str = "single_turn", epochs: int = 1, seed: int = 0,
+                 shuffle: bool = True, batch_size: int = 64, max_outstanding: int | None = None,
+                 group: str | None = None, partitions: int = 4, producer_id: str = "acquisition",
+                 metadata: dict[str, Any] | None = None, poll_s: float = 0.5):
+        if epochs < 1 or batch_size < 1 or (max_outstanding is not None and max_outstanding < 1):
+            raise ValueError(f"epochs ({epochs}), batch_size ({batch_size}) and max_outstanding "
+                             f"({max_outstanding}) must be positive")
+        self.bus, self.names, self.source = bus, names, source
+        self.state_path = Path(state_path) if state_path is not None else None
+        self.n_samples, self.workflow, self.epochs = n_samples, workflow, epochs
+        self.seed, self.shuffle = seed, shuffle
+        self.batch_size = min(batch_size, max_outstanding) if max_outstanding else batch_size
+        self.max_outstanding = max_outstanding
+        self.group = group or f"raas.{workflow}"
+        self.partitions, self.producer_id = partitions, producer_id
+        self.metadata = dict(metadata or {})
+        self.poll_s = poll_s
+        self.state = (AcquisitionState.load(self.state_path, source.name, len(source), seed)
+                      if self.state_path is not None
+                      else AcquisitionState(source=source.name, records=len(source), seed=seed))
+
+    def order(self, epoch: int) -> list[int]:
+        """The record indices of pass ``epoch``, in the order they are sent."""
+        indices = list(range(len(self.source)))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{epoch}").shuffle(indices)
+        return indices
+
+    @property
+    def done(self) -> bool:
+        """Whether every epoch has been sent."""
+        return self.state.epoch >= self.epochs
+
+    def outstanding(self) -> int:
+        """Prompts on ``prompts`` not yet committed by the pacing group (records)."""
+        return sum(self.bus.admin().group_lag(self.group, self.names.prompts).values())
+
+    def _wait_for_room(self, need: int, stop: threading.Event) -> bool:
+        """Block until ``need`` more prompts fit under ``max_outstanding``; False if stopped first."""
+        while self.max_outstanding is not None and self.outstanding() + need > self.max_outstanding:
+            if stop.wait(self.poll_s):
+                return False
+        return not stop.is_set()
+
+    def run(self, stop: threading.Event | None = None, max_prompts: int | None = None,
+            progress: bool = False) -> int:
+        """Send prompts until every epoch is done, ``stop`` is set, or ``max_prompts`` were sent.
+
+        Args:
+            stop: set it (from another thread or a signal handler) to stop after the current batch.
+            max_prompts: send at most this many prompts in this call.
+            progress: show a ``rich`` progress bar (on stderr).
+
+        Returns:
+            Prompts sent (acknowledged) by this call.
+
+        Raises:
+            topics.bus.BusError: the bus refused or did not acknowledge a batch;
+                the state still points at the start of that batch.
+        """
+        stop = stop or threading.Event()
+        self.bus.admin().create_topic(self.names.prompts, partitions=self.partitions)
+        producer = self.bus.producer()
+        total = self.epochs * len(self.source)
+        sent_now = 0
+        bar = _Progress(progress, total, self.state.epoch * len(self.source) + self.state.position,
+                        f"acquire {self.source.name}")
+        try:
+            while not self.done and not stop.is_set():
+                if max_prompts is not None and sent_now >= max_prompts:
+                    break
+                order = self.order(self.state.epoch)
+                limit = self.batch_size if max_prompts is None else min(self.batch_size, max_prompts - sent_now)
+                chunk = order[self.state.position:self.state.position + limit]
+                if not self._wait_for_room(len(chunk), stop):
+                    break
+                sent = 0
+                for index in chunk:
+                    prompt = self.source.get(index)
+                    if prompt is None:
+                        self.state.skipped += 1
+                        continue
+                    prompt = prompt.model_copy(update={
+                        "workflow": self.workflow, "n_samples": self.n_samples,
+                        "metadata": {**prompt.metadata, **self.metadata, "epoch": self.state.epoch}})
+                    producer.send(self.names.prompts, encode(prompt), key=prompt.prompt_id,
+                                  headers=headers_for(prompt, self.producer_id))
+                    sent += 1
+                producer.flush()
+                self.state.position += len(chunk)
+                self.state.sent += sent
+                if self.state.position >= len(order):
+                    self.state.epoch, self.state.position = self.state.epoch + 1, 0
+                if self.state_path is not None:
+                    self.state.save(self.state_path)
+                sent_now += sent
+                bar.advance(len(chunk))
+        finally:
+            bar.close()
+            producer.close()
+        return sent_now
+
+
+class _Progress:
+    """A rich progress bar on stderr, or nothing when disabled."""
+
+    def __init__(self, enabled: bool, total: int, completed: int, label: str):
+        self._bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self._bar = Progress(console=Console(stderr=True))
+            self._task = self._bar.add_task(label, total=total, completed=completed)
+            self._bar.start()
+
+    def advance(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
