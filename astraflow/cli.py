@@ -1,8 +1,139 @@
-"""The ``astraflow`` command line."""
+"""The ``astraflow`` command line.
+
+``astraflow run CONFIG`` starts a whole run on this machine. The component
+commands (``acquire``, ``raas``, ``policy``, ``trainer``) start one part each,
+for multi-machine deployments: each takes the same CONFIG plus ``key=value``
+overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
+"""
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
 import typer
 
-app = typer.Typer(help="AstraFlow: dataflow-oriented RL for agentic LLMs.", no_args_is_help=True)
+app = typer.Typer(help="AstraFlow: dataflow-oriented RL for agentic LLMs.", no_args_is_help=True,
+                  pretty_exceptions_show_locals=False)
 
+CONFIG = typer.Argument(..., exists=False, help="run config YAML (see examples/)")
+OVERRIDES = typer.Argument(None, help="key=value overrides, e.g. policies.actor.steps=20 bus=kafka://host:9092")
+
+
+def _load(config: Path, overrides: Optional[list[str]]):
+    """Load the config or exit with status 2 and the field-by-field error."""
+    from astraflow.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2)
+
+
+def _component_setup(name: str) -> threading.Event:
+    """Logging for a component process, and a stop event set by SIGTERM / SIGINT."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+@app.command()
+def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
+    """Run a whole RL run on this machine: acquisition, RaaS workers, filter processors and trainers
+    as separate processes, with a live view. Ends with a JSON summary line
+    {"run", "steps", "versions", "reward_first", "reward_last", "wall_s"}; metrics.jsonl and
+    reward_curve.png are written to the run directory."""
+    from astraflow.launcher import Launcher
+
+    cfg = _load(config, overrides)
+    try:
+        summary = Launcher(cfg, config.absolute(), list(overrides or [])).run()
+    except RuntimeError as e:
+        typer.echo(f"run failed: {e}", err=True)
+        raise typer.Exit(1)
+    print(json.dumps(summary), flush=True)
+
+
+@app.command()
+def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
+    """Write the config's prompt sources to the run's `prompts` topic (through the curators, if any).
+    Remembers how far it got: a restart does not resend."""
+    from producers.acquire import acquire_all
+
+    cfg = _load(config, overrides)
+    stop = _component_setup("acquire")
+    acquire_all(cfg, stop)
+
+
+@app.command()
+def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
+         worker_id: int = typer.Option(0, "--worker-id", help="unique number of this worker within the run")) -> None:
+    """Run one rollout worker: join the `raas.<workflow>` consumer group on `prompts`, roll out,
+    write groups to `trajectories.<policy>`. Start more to scale out; SIGTERM stops it cleanly."""
+    from producers.raas import RaasWorker
+
+    cfg = _load(config, overrides)
+    stop = _component_setup(f"raas-{worker_id}")
+    RaasWorker(cfg, worker_id).run(stop)
+
+
+@app.command()
+def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
+           policy: str = typer.Option(..., "--policy", help="the trained policy whose filter chain to run")) -> None:
+    """Run a policy's filter chain as a stream processor: `trajectories.<policy>` -> `samples.<policy>`
+    (exactly-once on Kafka, at-least-once on the embedded bus)."""
+    from policies.base import Filter
+    from policies.processor import FilterProcessor
+    from policies.registry import build_chain
+    from topics.bus import connect
+
+    cfg = _load(config, overrides)
+    if policy not in cfg.policies:
+        typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
+        raise typer.Exit(2)
+    stop = _component_setup(f"policy.{policy}")
+    filters = build_chain(cfg.policies[policy].filters, Filter)
+    FilterProcessor(connect(cfg.bus), cfg.run, policy, filters).run(stop)
+
+
+@app.command()
+def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
+           watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C"),
+           seconds: float = typer.Option(3.0, "--seconds", help="seconds of metrics to read before printing")) -> None:
+    """Show a run's state: per consumer group the lag, per policy the version and reward, and the
+    throughput. Reads `metrics` as its own consumer group; never disturbs the run."""
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from astraflow.monitor import RunMonitor
+    from topics.bus import connect
+    from topics.names import TopicNames
+
+    cfg = _load(config, overrides)
+    monitor = RunMonitor(connect(cfg.bus), TopicNames(cfg.run), list(cfg.policies), cfg.workflow.name)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        monitor.poll(0.5)
+    if not watch:
+        Console().print(monitor.table())
+        monitor.close()
+        return
+    try:
+        with Live(monitor.table(), refresh_per_second=1) as live:
+            while True:
+                monitor.poll(1.0)
+                live.update(monitor.table())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        monitor.close()
 
 @app.command()
 def version() -> None:

@@ -72,7 +72,7 @@ class WorkflowConfig(_Strict):
 
     name: str = "single_turn"
     roles: dict[str, str] = Field(default_factory=dict, description="role -> policy name")
-    max_turns: int = Field(default=3, ge=1)
+    options: dict[str, Any] = Field(default_factory=dict, description="workflow options, e.g. max_turns")
 
 
 class RaasConfig(_Strict):

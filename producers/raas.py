@@ -1,0 +1,214 @@
+"""The RaaS worker (Rollout-as-a-Service): prompts in, scored trajectory groups out.
+
+A worker is a plain member of the consumer group ``raas.<workflow>`` on
+``prompts``: starting one more is scaling out, and a crash is a redelivery, not
+a lost prompt. For each prompt it runs the configured workflow on one engine
+per policy, writes one TrajectoryGroup per policy to ``trajectories.<policy>``
+and a RolloutOutcome to ``outcomes``, and commits the prompt offsets only after
+those writes are acknowledged.
+
+``group_id`` is derived from (prompt_id, epoch, policy), so a prompt that is
+redelivered after a crash yields groups with the same ids, which the serving
+stage de-duplicates.
+
+Between batches it pulls new weights through the Weight Manager's puller.
+Backpressure: it pauses its ``prompts`` partitions while the in-flight groups
+(filter and trainer lag on ``trajectories.<policy>`` and ``samples.<policy>``)
+exceed ``raas.max_inflight_groups``, or while its weights are more than
+``max_staleness`` versions behind the newest announcement.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+
+from astraflow.config import RunConfig
+from astraflow.models import resolve_model
+from astraflow.monitor import filter_group, raas_group, trainer_group
+from producers.engines import Engine, HFEngine, SamplingParams
+from producers.workflows import get_workflow
+from topics.bus import Bus, BusError, connect
+from topics.codec import encode, headers_for
+from topics.deadletter import ValidatingConsumer
+from topics.names import TopicNames
+from topics.schemas import Metric, Prompt, RolloutOutcome, TrajectoryGroup
+from weights.puller import Puller, WeightsUnavailable
+from weights.store import WeightStore
+
+log = logging.getLogger(__name__)
+
+
+def group_id_for(prompt: Prompt, policy: str) -> str:
+    """The de-duplication key of ``policy``'s group for one delivery of ``prompt``: sha256 of
+    (prompt_id, epoch, policy), 32 hex characters. A redelivered prompt gets the same ids."""
+    key = f"{prompt.prompt_id}\x00{prompt.metadata.get('epoch', 0)}\x00{policy}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def make_engine(cfg: RunConfig, policy: str) -> Engine:
+    """The inference engine of ``policy``: HFEngine (CPU default) or SGLangEngine."""
+    pc = cfg.policies[policy]
+    if pc.engine == "sglang":
+        from producers.engines import SGLangEngine
+
+        return SGLangEngine(url=pc.sglang_url, model_path=str(resolve_model(pc.model)),
+                            launch=pc.sglang_url is None)
+    return HFEngine(resolve_model(pc.model))
+
+
+class RaasWorker:
+    """One rollout worker.
+
+    Args:
+        cfg: the run config.
+        worker_id: a number unique among this run's workers (names the producer).
+        bus: the bus (default: ``connect(cfg.bus)``).
+
+    Raises:
+        KeyError: the workflow or one of its policies is unknown.
+    """
+
+    def __init__(self, cfg: RunConfig, worker_id: int = 0, bus: Bus | None = None):
+        self.cfg, self.id = cfg, f"raas-{worker_id}"
+        self.bus = bus or connect(cfg.bus)
+        self.names = TopicNames(cfg.run)
+        self.workflow = get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None,
+                                     **cfg.workflow.options)
+        self.policies = sorted(set(self.workflow.policies.values()))
+        missing = set(self.policies) - set(cfg.policies)
+        if missing:
+            raise KeyError(f"workflow {cfg.workflow.name!r} needs policies {sorted(missing)} that the config "
+                           f"does not define (policies: {sorted(cfg.policies)})")
+        self.engines = {p: make_engine(cfg, p) for p in self.policies}
+        store = WeightStore(cfg.store, cfg.run)
+        self.pullers = {p: Puller(store, self.bus, self.names, p,
+                                  on_update=lambda state, v, p=p: self.engines[p].load_weights(state, v))
+                        for p in self.policies}
+        self.sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens,
+                                       temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
+        self.admin = self.bus.admin()
+        self.producer = self.bus.producer()
+        self.consumer = self.bus.consumer(raas_group(cfg.workflow.name), session_timeout_s=30.0,
+                                          client_id=self.id)
+        self.consumer.subscribe([self.names.prompts])
+        self.prompts = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, Prompt)
+        self.paused_reason = ""
+        self.totals = {"prompts": 0, "groups": 0, "tokens": 0}
+        self._last_metric = 0.0
+        self._last_lag_check = 0.0
+
+    # -- weights and backpressure ---------------------------------------------------------
+    def sync_weights(self) -> None:
+        """Pull each policy to its newest announced version; on failure keep the old weights."""
+        for p, puller in self.pullers.items():
+            newest = puller.poll()
+            if newest is not None and newest > self.engines[p].version:
+                try:
+                    puller.sync(newest)
+                    log.info("%s: policy %s now at version %d", self.id, p, self.engines[p].version)
+                except WeightsUnavailable as e:
+                    log.warning("%s: keeping version %d of %s: %s", self.id, self.engines[p].version, p, e)
+
+    def inflight_groups(self) -> int:
+        """Groups produced but not yet consumed by filters and trainers (records, from committed offsets)."""
+        total = 0
+        for p in self.policies:
+            total += sum(self.admin.group_lag(filter_group(p), self.names.trajectories(p)).values())
+            total += sum(self.admin.group_lag(trainer_group(p), self.names.samples(p)).values())
+        return total
+
+    def pause_reason(self) -> str:
+        """Why this worker should not roll out now ('' when it should)."""
+        for p, puller in self.pullers.items():
+            newest = puller.newest
+            max_staleness = self.cfg.policies[p].max_staleness
+            if newest is not None and newest - self.engines[p].version > max_staleness:
+                return f"{p} weights {newest - self.engines[p].version} versions behind"
+        now = time.monotonic()
+        if now - self._last_lag_check < 1.0:
+            return self.paused_reason
+        self._last_lag_check = now
+        try:
+            inflight = self.inflight_groups()
+        except BusError:
+            return ""  # topics not created yet: nothing in flight
+        if inflight > self.cfg.raas.max_inflight_groups:
+            return f"{inflight} groups in flight > {self.cfg.raas.max_inflight_groups}"
+        return ""
+
+    # -- rollout ---------------------------------------------------------------------------
+    def rollout(self, prompt: Prompt) -> list[TrajectoryGroup]:
+        """Run the workflow on ``prompt`` and write its groups and outcomes (not flushed)."""
+        groups = self.workflow.run(prompt, self.engines, self.sampling)
+        out = []
+        for g in groups:
+            g = g.model_copy(update={"group_id": group_id_for(prompt, g.policy), "producer_id": self.id})
+            self.producer.send(self.names.trajectories(g.policy), encode(g), key=g.prompt_id,
+                               headers=headers_for(g))
+            outcome = RolloutOutcome(prompt_id=g.prompt_id, group_id=g.group_id, policy=g.policy,
+                                     rewards=[s.reward for s in g.samples], zero_adv=g.zero_adv,
+                                     version=g.max_version, source=g.source, task_type=g.task_type,
+                                     producer_id=self.id)
+            self.producer.send(self.names.outcomes, encode(outcome), key=g.prompt_id, headers=headers_for(outcome))
+            self.totals["groups"] += 1
+            self.totals["tokens"] += int(sum(int(s.loss_mask.sum()) for s in g.samples))
+            out.append(g)
+        return out
+
+    def step(self) -> int:
+        """One iteration: sync weights, apply backpressure, roll out one batch, flush, commit.
+
+        Returns:
+            Prompts rolled out (0 while paused or idle).
+        """
+        self.sync_weights()
+        reason = self.pause_reason()
+        assignment = self.consumer.assignment()
+        if reason != self.paused_reason:
+            log.info("%s: %s", self.id, f"pausing: {reason}" if reason else "resuming")
+            (self.consumer.pause if reason else self.consumer.resume)(assignment)
+            self.paused_reason = reason
+        elif reason:
+            self.consumer.pause(assignment)  # partitions assigned since the pause
+        batch = self.prompts.poll(self.cfg.raas.batch_prompts, 0.5)
+        for _, prompt in batch:
+            self.rollout(prompt)
+        if self.prompts.last_offsets:
+            self.producer.flush()
+            self.consumer.commit(self.prompts.last_offsets)
+        self.totals["prompts"] += len(batch)
+        self._maybe_metrics()
+        return len(batch)
+
+    def _maybe_metrics(self, every_s: float = 2.0) -> None:
+        if time.monotonic() - self._last_metric < every_s:
+            return
+        self._last_metric = time.monotonic()
+        values = {f"{k}_total": float(v) for k, v in self.totals.items()}
+        values["paused"] = 1.0 if self.paused_reason else 0.0
+        values.update({f"version.{p}": float(e.version) for p, e in self.engines.items()})
+        metric = Metric(component=self.id, kind="raas", values=values)
+        self.producer.send(self.names.metrics, encode(metric), key=self.id, headers=headers_for(metric))
+
+    def run(self, stop: threading.Event) -> None:
+        """Roll out until ``stop`` is set; then finish the batch in hand, commit and leave the group."""
+        log.info("%s: joined %s on %s (policies %s)", self.id, raas_group(self.cfg.workflow.name),
+                 self.names.prompts, self.policies)
+        try:
+            while not stop.is_set():
+                self.step()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Flush, leave the group and stop following weights."""
+        try:
+            self._last_metric = 0.0
+            self._maybe_metrics()
+            self.producer.flush()
+        finally:
+            self.consumer.close()
+            for puller in self.pullers.values():
+                puller.close()
