@@ -24,7 +24,8 @@ fraction of a byte per element. Frames carry zstd's content checksum, so a
 flipped bit in storage is detected before anything is applied.
 
 The ``sha256`` in the header is :func:`state_sha256` of the *resulting* full
-parameters, the value :class:`topics.schemas.WeightAnnouncement` carries.
+parameters (sha256 over per-tensor xxh3-128 digests), the value
+:class:`topics.schemas.WeightAnnouncement` carries.
 
 A **full snapshot** is a safetensors file whose metadata holds ``version`` and
 ``sha256``.
@@ -40,6 +41,7 @@ from typing import Mapping, MutableMapping
 import msgpack
 import numpy as np
 import torch
+import xxhash
 import zstandard
 
 MAGIC = b"AFWD"
@@ -49,6 +51,9 @@ _PREFIX = struct.Struct("<4sHHqqI")
 PREFIX_BYTES = _PREFIX.size
 #: Hard cap on one decompressed frame, bytes (guards against a malformed object).
 MAX_FRAME_BYTES = 1 << 40
+
+#: Frames at least this large are compressed by zstd's worker threads; below it threads cost more than they save.
+MT_MIN_BYTES = 8 << 20
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -90,15 +95,33 @@ def bits(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(_TORCH_INT[width]).numpy().view(_UINT[width])
 
 
-def state_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 (hex) of the tensors' raw bytes, concatenated in sorted-name order.
+class StateHasher:
+    """Incremental :func:`state_sha256`: feed tensors in sorted-name order with :meth:`update`."""
 
-    This is the checksum of "the resulting full parameter bytes" carried by
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def update(self, name: str, t: torch.Tensor) -> None:
+        self._h.update(msgpack.packb([name, dtype_name(t), list(t.shape)]))
+        self._h.update(xxhash.xxh3_128_digest(bits(t)))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def state_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The checksum of a full parameter set, 64 hex characters.
+
+    sha256 over, per tensor in sorted-name order, its msgpack'd
+    ``[name, dtype, shape]`` followed by the 16-byte xxh3-128 digest of its raw
+    bytes. Hashing the bytes with xxh3 (about 10 GB/s) instead of sha256 (about
+    1.5 GB/s) keeps verification far below memcpy time; the outer sha256 binds
+    names, shapes and dtypes too. This is the value carried by
     ``WeightAnnouncement.sha256``, delta headers and snapshot metadata.
     """
-    h = hashlib.sha256()
+    h = StateHasher()
     for name in sorted(tensors):
-        h.update(bits(tensors[name]))
+        h.update(name, tensors[name])
     return h.hexdigest()
 
 
@@ -143,7 +166,8 @@ def encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
     Args:
         old, new: the same names, shapes and dtypes; contiguous CPU tensors.
         base_version, version: the versions of ``old`` and ``new`` (``base_version < version``).
-        level: zstd level (1-22); ``threads``: zstd worker threads (-1: one per core).
+        level: zstd level (1-22); ``threads``: zstd worker threads for frames of at
+            least ``MT_MIN_BYTES`` (-1: one per core).
         base_sha256: :func:`state_sha256` of ``old`` if known; recorded so that a
             reader can refuse to apply the delta to the wrong base.
         max_bytes: give up and return ``None`` once the output exceeds this many
@@ -160,15 +184,16 @@ def encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
                                 f"only new {sorted(set(new) - set(old))[:5]}")
     if base_version >= version:
         raise WeightFormatError(f"a delta needs base_version < version, got {base_version} -> {version}")
-    comp = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
-    h = hashlib.sha256()
+    comp = zstandard.ZstdCompressor(level=level, write_checksum=True)
+    comp_mt = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
+    h = StateHasher()
     entries, frames, size, changed, total = [], [], 0, 0, 0
     for name in sorted(new):
         a, b = old[name], new[name]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise WeightFormatError(f"tensor {name!r}: old {tuple(a.shape)} {a.dtype} vs new {tuple(b.shape)} {b.dtype}")
         ab, bb = bits(a), bits(b)
-        h.update(bb)
+        h.update(name, b)
         idx = np.flatnonzero(ab != bb)
         entry = {"name": name, "dtype": dtype_name(b), "shape": list(b.shape), "count": int(idx.size),
                  "index_bytes": 0, "frame_bytes": 0}
@@ -176,7 +201,7 @@ def encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
             gaps = np.diff(idx, prepend=0)
             width = next(w for w in (1, 2, 4, 8) if int(gaps.max()) < (1 << (8 * w)))
             payload = np.concatenate([_split(gaps.astype(_UINT[width])), _split(bb[idx])])
-            frame = comp.compress(payload)
+            frame = (comp_mt if payload.size >= MT_MIN_BYTES else comp).compress(payload)
             frames.append(frame)
             entry.update(index_bytes=width, frame_bytes=len(frame))
             size += len(frame)
@@ -353,13 +378,13 @@ def load_full(path: str | Path, into: MutableMapping[str, torch.Tensor] | None =
             if into is not None and set(names) != set(into):
                 raise WeightFormatError(f"snapshot {path}: tensor names differ from the local ones "
                                         f"(missing locally {sorted(set(names) - set(into))[:5]}, extra {sorted(set(into) - set(names))[:5]})")
-            h = hashlib.sha256()
+            h = StateHasher()
             for name in names:
                 t = f.get_tensor(name)
                 if into is not None and (into[name].shape != t.shape or into[name].dtype != t.dtype):
                     raise WeightFormatError(f"snapshot {path}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, "
                                             f"locally {tuple(into[name].shape)} {into[name].dtype}")
-                h.update(bits(t))
+                h.update(name, t)
             got = h.hexdigest()
             for want in (meta["sha256"], expect_sha256):
                 if want is not None and got != want:
