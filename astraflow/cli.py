@@ -135,6 +135,85 @@ def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     finally:
         monitor.close()
 
+@app.command("eval")
+def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
+          policy: Optional[str] = typer.Option(None, "--policy", help="the policy to evaluate (default: the only one)"),
+          benchmark: Optional[list[str]] = typer.Option(None, "--benchmark",
+                                                        help="a built-in source or dataset path; repeatable "
+                                                             "(default: eval.benchmarks, else gsm8k math500 humaneval mbpp)"),
+          k: Optional[int] = typer.Option(None, "--k", help="samples per prompt (default: eval.k)"),
+          temperature: Optional[float] = typer.Option(None, "--temperature", help="default: eval.temperature"),
+          limit: Optional[int] = typer.Option(None, "--limit", help="first N prompts per benchmark (default: eval.limit)"),
+          max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens",
+                                                       help="default: sampling.max_new_tokens"),
+          live: bool = typer.Option(False, "--live", help="follow `weights`: evaluate each new version and publish "
+                                                          "an eval Metric, until SIGTERM / Ctrl-C")) -> None:
+    """pass@1 as avg@k (k samples per prompt at temperature T) of a policy on benchmarks.
+    Offline: the newest version in the store (else the base model); prints a table and a JSON line
+    {"policy", "version", "results": {bench: {"pass@1", "stderr", "n", "k"}}}. With --live it runs as its
+    own component `eval.<policy>` and publishes Metric(kind="eval") to the run's `metrics` topic."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from consumers.evaluation import DEFAULT_BENCHMARKS, LiveEvaluator, evaluate, load_benchmark, pull_newest
+    from producers.raas import make_engine
+    from producers.sources import SourceError
+    from topics.bus import connect
+    from weights.puller import WeightsUnavailable
+    from weights.store import StoreError
+
+    cfg = _load(config, overrides)
+    if policy is None and len(cfg.policies) == 1:
+        policy = next(iter(cfg.policies))
+    if policy not in cfg.policies:
+        typer.echo(f"unknown policy {policy!r}; give --policy, one of {sorted(cfg.policies)}", err=True)
+        raise typer.Exit(2)
+    k = cfg.eval.k if k is None else k
+    temperature = cfg.eval.temperature if temperature is None else temperature
+    limit = cfg.eval.limit if limit is None else limit
+    max_new_tokens = cfg.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
+    for name, value, low in (("--k", k, 1), ("--limit", limit, 1), ("--max-new-tokens", max_new_tokens, 1)):
+        if value is not None and value < low:
+            typer.echo(f"{name} must be >= {low}, got {value}", err=True)
+            raise typer.Exit(2)
+    if temperature <= 0:
+        typer.echo(f"--temperature must be > 0 for avg@k sampling, got {temperature}", err=True)
+        raise typer.Exit(2)
+    names = list(benchmark or cfg.eval.benchmarks or DEFAULT_BENCHMARKS)
+    prompts = []
+    for name in names:
+        try:
+            found = load_benchmark(name, limit)
+        except SourceError as e:
+            typer.echo(f"benchmark {name!r}: {e}", err=True)
+            raise typer.Exit(2)
+        if not found:
+            typer.echo(f"benchmark {name!r} has no well-formed prompts", err=True)
+            raise typer.Exit(2)
+        prompts += found
+    engine = make_engine(cfg, policy)
+    kwargs = dict(k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
+    try:
+        if live:
+            stop = _component_setup(f"eval.{policy}")
+            LiveEvaluator(connect(cfg.bus), cfg.store, cfg.run, policy, engine, prompts, **kwargs).run(stop)
+            return
+        try:
+            pull_newest(engine, cfg.store, cfg.run, policy)
+        except (WeightsUnavailable, StoreError) as e:
+            typer.echo(f"cannot load the newest weights of {policy!r}: {e}", err=True)
+            raise typer.Exit(1)
+        result = evaluate(engine, prompts, **kwargs)
+    finally:
+        getattr(engine, "close", lambda: None)()  # stops a launched SGLang server
+    table = Table("benchmark", "n", "k", "pass@1 (avg@k)", "± stderr",
+                  title=f"{policy} v{result.version}, T={temperature}")
+    for name, b in result.benchmarks.items():
+        table.add_row(name, str(b.n), str(b.k), f"{b.pass_at_1:.4f}", f"{b.stderr:.4f}")
+    Console().print(table)
+    print(json.dumps({"policy": policy, "version": result.version, "results": result.summary()}), flush=True)
+
+
 @app.command()
 def version() -> None:
     """Print the AstraFlow version."""
