@@ -16,6 +16,10 @@ The reward of a prompt is ``prompt.metadata["reward"]`` when set, else its
 
 New rewards are registered with :func:`register_reward`. Every reward returns a
 float in [0, 1] here, but the registry does not require it.
+
+The process pool (pebble, ``spawn`` start method, :func:`pool_workers` workers)
+re-imports the main script in each worker, as any ``spawn`` pool does: scripts
+that score math must keep their work under ``if __name__ == "__main__":``.
 """
 from __future__ import annotations
 
