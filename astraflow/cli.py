@@ -63,11 +63,12 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
 def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Write the config's prompt sources to the run's `prompts` topic (through the curators, if any).
     Remembers how far it got: a restart does not resend."""
-    from producers.acquire import acquire_all
+    from producers.acquisition import acquire_run
 
     cfg = _load(config, overrides)
     stop = _component_setup("acquire")
-    acquire_all(cfg, stop)
+    sent = acquire_run(cfg, stop)
+    logging.getLogger("astraflow").info("acquisition done: %d prompts sent", sent)
 
 
 @app.command()

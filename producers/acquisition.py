@@ -22,11 +22,14 @@ import json
 import os
 import random
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from producers.sources import PromptSource
+if TYPE_CHECKING:
+    from astraflow.config import RunConfig
+
+from producers.sources import PromptSource, load_source
 from topics.bus import Bus
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
@@ -106,6 +109,8 @@ class Acquisition:
         producer_id: the ``producer_id`` header.
         metadata: extra metadata merged into every Prompt (e.g. ``{"reward": "boxed_format"}``).
         poll_s: seconds between lag checks while paced.
+        gate: a curator gate (:class:`policies.processor.CuratorGate`): each
+            prompt goes through ``gate.submit`` instead of straight to ``prompts``.
 
     Raises:
         ValueError: a non-positive ``epochs``, ``batch_size`` or ``max_outstanding``.
@@ -115,7 +120,7 @@ class Acquisition:
                  n_samples: int = 8, workflow: str = "single_turn", epochs: int = 1, seed: int = 0,
                  shuffle: bool = True, batch_size: int = 64, max_outstanding: int | None = None,
                  group: str | None = None, partitions: int = 4, producer_id: str = "acquisition",
-                 metadata: dict[str, Any] | None = None, poll_s: float = 0.5):
+                 metadata: dict[str, Any] | None = None, poll_s: float = 0.5, gate: Any = None):
         if epochs < 1 or batch_size < 1 or (max_outstanding is not None and max_outstanding < 1):
             raise ValueError(f"epochs ({epochs}), batch_size ({batch_size}) and max_outstanding "
                              f"({max_outstanding}) must be positive")
@@ -129,6 +134,7 @@ class Acquisition:
         self.partitions, self.producer_id = partitions, producer_id
         self.metadata = dict(metadata or {})
         self.poll_s = poll_s
+        self.gate = gate
         self.state = (AcquisitionState.load(self.state_path, source.name, len(source), seed)
                       if self.state_path is not None
                       else AcquisitionState(source=source.name, records=len(source), seed=seed))
@@ -197,10 +203,15 @@ class Acquisition:
                     prompt = prompt.model_copy(update={
                         "workflow": self.workflow, "n_samples": self.n_samples,
                         "metadata": {**prompt.metadata, **self.metadata, "epoch": self.state.epoch}})
+                    if self.gate is not None:
+                        sent += self.gate.submit(prompt)
+                        continue
                     producer.send(self.names.prompts, encode(prompt), key=prompt.prompt_id,
                                   headers=headers_for(prompt, self.producer_id))
                     sent += 1
                 producer.flush()
+                if self.gate is not None:
+                    self.gate.flush()
                 self.state.position += len(chunk)
                 self.state.sent += sent
                 if self.state.position >= len(order):
@@ -235,3 +246,51 @@ class _Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def acquire_run(cfg: "RunConfig", stop: threading.Event | None = None) -> int:
+    """Acquisition for a run config: every source of ``cfg.data``, mixed by weight, through the curators.
+
+    Sources are interleaved batch by batch, each sending ``round(batch * weight / max weight)``
+    prompts per turn, until every source has finished its epochs. With curators
+    configured (``cfg.curators``), prompts go through a :class:`policies.processor.CuratorGate`
+    that learns from ``outcomes``; its decisions are made when the prompt is sent.
+
+    Returns:
+        Prompts sent.
+
+    Raises:
+        SourceError: a source cannot be opened.
+    """
+    from policies.base import Curator
+    from policies.processor import CuratorGate
+    from policies.registry import build_chain
+    from topics.bus import connect
+
+    stop = stop or threading.Event()
+    bus, names = connect(cfg.bus), TopicNames(cfg.run)
+    state_dir = Path(cfg.run_dir) / "acquisition"
+    gate = None
+    if cfg.curators:
+        policy = next(iter(cfg.policies))
+        gate = CuratorGate(bus, cfg.run, build_chain(cfg.curators, Curator), policy=policy)
+    acqs = []
+    for i, src in enumerate(cfg.data.sources):
+        source = load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed)
+        if src.limit is not None:
+            source = replace(source, records=source.records[:src.limit])
+        acqs.append((src.weight, Acquisition(
+            bus, names, source, state_path=state_dir / f"{i}-{source.name}.json", n_samples=cfg.data.n_samples,
+            workflow=cfg.workflow.name, epochs=cfg.data.epochs, seed=cfg.data.shuffle_seed,
+            max_outstanding=cfg.data.max_outstanding, gate=gate)))
+    top = max(w for w, _ in acqs)
+    sent = 0
+    try:
+        while not stop.is_set() and not all(a.done for _, a in acqs):
+            for weight, a in acqs:
+                if not a.done and not stop.is_set():
+                    sent += a.run(stop, max_prompts=max(1, round(a.batch_size * weight / top)))
+    finally:
+        if gate is not None:
+            gate.close()
+    return sent
