@@ -4,9 +4,9 @@
 The model is a Qwen2-architecture causal LM of about 330k parameters (hidden
 128, 2 layers, 4 heads, MLP 256) with a character-level tokenizer saved as a
 real Hugging Face tokenizer (``PreTrainedTokenizerFast`` over a ``tokenizers``
-WordLevel model). The vocabulary is ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``,
-newline and the printable ASCII characters 32..126, so any English prompt
-tokenizes. The chat template renders ``<bos>`` followed by the concatenated
+byte-level BPE without merges). The vocabulary is ``<pad>``, ``<bos>``,
+``<eos>``, ``<unk>``, newline and the printable ASCII characters 32..126, so
+any English prompt tokenizes. The chat template renders ``<bos>`` followed by the concatenated
 message contents.
 
 It is pre-trained by SFT on ``<bos>a+b=`` -> ``c<eos>`` with ``a, b <= 19``
@@ -15,7 +15,8 @@ temperature-1 sampled accuracy on all 400 problems after each chunk; training
 stops as soon as that accuracy is within ``[0.25, 0.5]`` (the target band is
 [0.2, 0.5], DESIGN.md), so RL has room to improve it.
 
-Usage: ``scripts/make_tiny_model.py [--out DIR] [--steps N] [--seed S]``.
+Usage: ``scripts/make_tiny_model.py [--out DIR] [--steps N] [--seed S]``; without
+``--out`` it builds (once) into the shared cache and prints the directory.
 """
 from __future__ import annotations
 
@@ -35,24 +36,38 @@ EVAL_EVERY = 25
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
+def _byte_level(char: str) -> str:
+    """The GPT-2 byte-level symbol of an ASCII character (space -> ``Ġ``, newline -> ``Ċ``)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    printable = sorted(c for c in ByteLevel.alphabet() if ord(c) < 256)  # bytes that map to themselves
+    code = ord(char)
+    if chr(code) in printable:
+        return char
+    shifted = [b for b in range(256) if chr(b) not in printable]
+    return chr(256 + shifted.index(code))
+
+
 def build_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast``: one token per character.
+    """A character-level ``PreTrainedTokenizerFast``: one token per ASCII character.
 
     Ids: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3, then ``\\n`` and
-    ASCII 32..126. ``encode(text)`` prepends ``<bos>``; ``decode`` concatenates
-    characters without spaces. Characters outside the vocabulary map to ``<unk>``.
+    ASCII 32..126. It is a byte-level BPE with no merges, so it loads the same
+    through ``AutoTokenizer`` whether transformers picks the generic backend or
+    ``Qwen2Tokenizer`` (which re-applies byte-level pre-tokenization). Other
+    characters become ``<unk>`` (or are dropped by ``Qwen2Tokenizer``). Nothing
+    is added by ``encode``: ``<bos>`` comes from the chat template, which
+    renders ``<bos>`` and then the concatenated message contents.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    chars = [_byte_level(c) for c in ["\n"] + [chr(c) for c in range(32, 127)]]
     vocab = {tok: i for i, tok in enumerate(list(SPECIALS) + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
-    )
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
@@ -62,7 +77,6 @@ def build_tokenizer():
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
-    fast.padding_side = "left"
     return fast
 
 
@@ -93,8 +107,8 @@ def _batch(tokenizer, rng: random.Random, n: int) -> tuple[torch.Tensor, torch.T
     rows, labels = [], []
     for _ in range(n):
         a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
-        prompt = tokenizer.encode(f"{a}+{b}=")
-        answer = tokenizer.encode(str(a + b), add_special_tokens=False) + [eos]
+        prompt = [tokenizer.bos_token_id] + tokenizer.encode(f"{a}+{b}=")
+        answer = tokenizer.encode(str(a + b)) + [eos]
         rows.append(prompt + answer)
         labels.append([-100] * len(prompt) + answer)
     width = max(map(len, rows))
@@ -117,7 +131,7 @@ def sampled_accuracy(model, tokenizer, seed: int = 0) -> float:
     by_len: dict[int, list[tuple[list[int], int]]] = {}
     for a in range(MAX_OPERAND + 1):
         for b in range(MAX_OPERAND + 1):
-            ids = tokenizer.encode(f"{a}+{b}=")
+            ids = [tokenizer.bos_token_id] + tokenizer.encode(f"{a}+{b}=")
             by_len.setdefault(len(ids), []).append((ids, a + b))
     solved = total = 0
     for items in by_len.values():
@@ -196,15 +210,49 @@ def make_tiny_model(out_dir: str | Path, steps: int = 300, seed: int = 0, batch_
     return out
 
 
+def cached_tiny_model(cache_dir: str | Path | None = None) -> Path:
+    """The tiny model built by this script, cached by the script's content; built on first use.
+
+    The directory is ``<cache_dir>/tiny-model-<sha256 of this file, 12 hex>``,
+    ``cache_dir`` defaulting to ``$ASTRAFLOW_CACHE`` or ``~/.cache/astraflow``. A
+    file lock serialises concurrent processes; the model is built in a
+    temporary sibling directory and renamed into place.
+
+    Returns:
+        The model directory (``save_pretrained`` layout).
+    """
+    import fcntl
+    import hashlib
+    import os
+    import shutil
+
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    cache = Path(cache_dir or os.environ.get("ASTRAFLOW_CACHE") or Path.home() / ".cache" / "astraflow")
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"tiny-model-{digest}"
+    with open(cache / f"tiny-model-{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").exists():
+            tmp = cache / f"tiny-model-{digest}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            make_tiny_model(tmp)
+            os.replace(tmp, target)
+    return target
+
+
 def main() -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="tiny-model", help="output directory")
+    parser.add_argument("--out", default=None,
+                        help="output directory (default: the shared cache, see cached_tiny_model)")
     parser.add_argument("--steps", type=int, default=300, help="most SFT steps")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    make_tiny_model(args.out, steps=args.steps, seed=args.seed)
+    if args.out is None:
+        print(cached_tiny_model())
+    else:
+        make_tiny_model(args.out, steps=args.steps, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,158 @@
+"""Workflows on the tiny model: group shapes, loss masks, versions and rewards."""
+import numpy as np
+import pytest
+import torch
+
+from producers.engines import Engine, Generation, HFEngine, SamplingParams
+from producers.workflows import WORKFLOWS, accepts, get_workflow, prompt_ids
+from topics.codec import decode, encode
+from topics.schemas import Prompt, TrajectoryGroup
+
+torch.set_num_threads(2)
+SAMPLING = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return HFEngine(tiny_model_dir, dtype=torch.float32)
+
+
+def arith(workflow: str, g: int = 6) -> Prompt:
+    return Prompt(prompt_id="p-3+4", source="test", task_type="arith", text="3+4=", answer="7",
+                  workflow=workflow, n_samples=g)
+
+
+def segments(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) runs of mask == 1."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
+    return list(zip(edges[::2], edges[1::2]))
+
+
+def check_sample_arrays(s, prompt_len: int) -> None:
+    assert s.input_ids.dtype == np.int32 and s.loss_mask.dtype == np.uint8
+    assert s.behavior_logprobs.dtype == np.float32 and s.versions.dtype == np.int32
+    gen = s.loss_mask == 1
+    assert not gen[:prompt_len].any() and gen.any()
+    assert np.all(s.behavior_logprobs[~gen] == 0) and np.all(s.behavior_logprobs[gen] <= 0)
+    assert np.all(s.versions[~gen] == -1) and np.all(s.versions[gen] >= 0)
+
+
+def test_registry_and_verdict_rule():
+    assert {"single_turn", "solve_verify_retry", "multi_turn"} <= set(WORKFLOWS)
+    with pytest.raises(KeyError, match="unknown workflow 'nope'"):
+        get_workflow("nope")
+    with pytest.raises(ValueError, match="no role"):
+        get_workflow("single_turn", policies={"critic": "x"})
+    assert accepts(" 1") and accepts("yes") and accepts("Y") and not accepts("0") and not accepts("  ")
+
+
+def test_single_turn(engine):
+    from producers.rewards import score
+
+    engine.load_weights({}, version=2)
+    prompt = arith("single_turn")
+    groups = get_workflow("single_turn").run(prompt, {"actor": engine}, SAMPLING)
+    assert len(groups) == 1
+    group = groups[0]
+    assert group.policy == "actor" and group.prompt_id == prompt.prompt_id and len(group.samples) == 6
+    assert group.workflow == "single_turn" and group.min_version == group.max_version == 2
+    ids = prompt_ids(engine.tokenizer, prompt)
+    for s in group.samples:
+        assert s.input_ids[:len(ids)].tolist() == ids
+        check_sample_arrays(s, len(ids))
+        assert set(s.versions[s.loss_mask == 1].tolist()) == {2} and s.turns == 1
+        completion = engine.tokenizer.decode(s.input_ids[len(ids):].tolist(), skip_special_tokens=True)
+        assert s.reward == score(prompt, completion)
+    assert group.reward_mean == pytest.approx(np.mean([s.reward for s in group.samples]))
+    back = decode(encode(group), expect=TrajectoryGroup)
+    assert back.group_id == group.group_id and back.samples[0].input_ids.tolist() == group.samples[0].input_ids.tolist()
+    with pytest.raises(KeyError, match="needs an engine for policy 'actor'"):
+        get_workflow("single_turn").run(prompt, {"other": engine}, SAMPLING)
+
+
+def test_solve_verify_retry(engine, tiny_model_dir):
+    from producers.rewards import score
+
+    verifier = HFEngine(tiny_model_dir, dtype=torch.float32, version=4)
+    prompt = arith("solve_verify_retry", g=8)
+    wf = get_workflow("solve_verify_retry")
+    solver_group, verifier_group = wf.run(prompt, {"solver": engine, "verifier": verifier}, SAMPLING)
+    assert solver_group.policy == "solver" and verifier_group.policy == "verifier"
+    assert solver_group.group_id != verifier_group.group_id
+    assert len(solver_group.samples) == len(verifier_group.samples) == 8
+    assert verifier_group.min_version == 4
+    tok = engine.tokenizer
+    ids = prompt_ids(tok, prompt)
+    retried = 0
+    for s, v in zip(solver_group.samples, verifier_group.samples):
+        check_sample_arrays(s, len(ids))
+        (a0, a1), *rest = segments(s.loss_mask)
+        first = tok.decode(s.input_ids[a0:a1].tolist(), skip_special_tokens=True)
+        [(v0, v1)] = segments(v.loss_mask)
+        assert v1 == len(v.input_ids) and v.turns == 1
+        verdict = tok.decode(v.input_ids[v0:v1].tolist(), skip_special_tokens=True)
+        # the verifier saw the problem and the solver's first answer
+        assert tok.decode(v.input_ids[:v0].tolist(), skip_special_tokens=True).startswith("3+4=" + first)
+        truth = score(prompt, first) > 0.5
+        assert v.reward == float(accepts(verdict) == truth)
+        if accepts(verdict):
+            assert rest == [] and s.turns == 1 and s.reward == score(prompt, first)
+        else:
+            retried += 1
+            [(b0, b1)] = rest
+            assert s.turns == 2 and b1 == len(s.input_ids)
+            feedback = tok.decode(s.input_ids[a1:b0].tolist(), skip_special_tokens=True)
+            assert feedback.startswith("\nVerifier: ") and feedback.endswith("Try again: ")
+            second = tok.decode(s.input_ids[b0:b1].tolist(), skip_special_tokens=True)
+            assert s.reward == score(prompt, second)
+    print(f"{retried} of 8 retried")
+
+
+class ScriptedEngine(Engine):
+    """An engine that replies with fixed texts, one per generate call, for driving the tool loop."""
+
+    def __init__(self, tokenizer, replies, version=7):
+        self._tok, self.replies, self._version, self.seen = tokenizer, list(replies), version, []
+
+    @property
+    def tokenizer(self):
+        return self._tok
+
+    @property
+    def version(self):
+        return self._version
+
+    def generate(self, batch, sampling):
+        self.seen.append([list(b) for b in batch])
+        ids = np.array(self._tok.encode(self.replies.pop(0)) + [self._tok.eos_token_id], np.int32)
+        return [Generation(ids, np.full(len(ids), -0.5, np.float32), "stop", self._version) for _ in batch]
+
+    def load_weights(self, state_dict, version):
+        self._version = version
+
+
+def test_multi_turn_runs_python_tool_in_sandbox(engine):
+    tok = engine.tokenizer
+    scripted = ScriptedEngine(tok, ["<python>print(3+4)</python> ignored tail", "7"])
+    prompt = arith("multi_turn", g=2)
+    [group] = get_workflow("multi_turn", max_turns=3).run(prompt, {"actor": scripted}, SAMPLING)
+    ids = prompt_ids(tok, prompt)
+    for s in group.samples:
+        check_sample_arrays(s, len(ids))
+        (a0, a1), (b0, b1) = segments(s.loss_mask)
+        assert tok.decode(s.input_ids[a0:a1].tolist()) == "<python>print(3+4)</python>"
+        assert tok.decode(s.input_ids[a1:b0].tolist()) == "\n<output>\n7\n</output>\n"
+        assert s.turns == 2 and s.reward == 1.0 and set(s.versions[s.loss_mask == 1]) == {7}
+    # the second turn saw the tool output in its context
+    assert tok.decode(scripted.seen[1][0]).endswith("</python>\n<output>\n7\n</output>\n")
+
+
+def test_multi_turn_stops_at_max_turns_and_on_the_tiny_model(engine):
+    tok = engine.tokenizer
+    scripted = ScriptedEngine(tok, ["<python>print(1)</python>"] * 2)
+    [group] = get_workflow("multi_turn", max_turns=2).run(arith("multi_turn", g=1), {"actor": scripted}, SAMPLING)
+    assert group.samples[0].turns == 2 and len(segments(group.samples[0].loss_mask)) == 2
+    [group] = get_workflow("multi_turn").run(arith("multi_turn", g=3), {"actor": engine}, SAMPLING)
+    for s in group.samples:
+        check_sample_arrays(s, len(prompt_ids(tok, arith("multi_turn"))))
+        assert s.turns == 1
