@@ -253,6 +253,7 @@ class LiveEvaluator:
         from weights.store import WeightStore
 
         self.names, self.policy, self.engine, self.prompts = TopicNames(run), policy, engine, list(prompts)
+        bus.admin().ensure_run_topics(self.names, [policy])  # idempotent; eval may start before the run
         self.component = f"eval.{policy}"
         self.on_result, self.eval_kwargs = on_result, eval_kwargs
         self.puller = Puller(WeightStore(store_uri, run), bus, self.names, policy,
