@@ -26,11 +26,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from producers.engines import Engine, SamplingParams
+from topics.bus import Bus
 from topics.schemas import Prompt
 
 log = logging.getLogger(__name__)
@@ -246,8 +247,8 @@ class LiveEvaluator:
         **eval_kwargs: passed to :func:`evaluate` (k, temperature, max_new_tokens, ...).
     """
 
-    def __init__(self, bus, store_uri: str, run: str, policy: str, engine: Engine, prompts: Sequence[Prompt],
-                 on_result=None, **eval_kwargs) -> None:
+    def __init__(self, bus: Bus, store_uri: str, run: str, policy: str, engine: Engine, prompts: Sequence[Prompt],
+                 on_result: Callable[[EvalResult], None] | None = None, **eval_kwargs) -> None:
         from topics.names import TopicNames
         from weights.puller import Puller
         from weights.store import WeightStore

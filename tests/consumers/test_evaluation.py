@@ -35,9 +35,9 @@ def engine(tiny_model_dir):
     return HFEngine(tiny_model_dir)
 
 
-def write_config(tmp_path, tiny_model_dir, run):
-    path = tmp_path / "run.yaml"
-    path.write_text(f"run: {run}\nrun_dir: {tmp_path / 'run'}\nbus: local://{tmp_path / 'bus'}\n"
+def write_config(tmp_path, tiny_model_dir, run, bus_url=None):
+    path, bus_url = tmp_path / "run.yaml", bus_url or f"local://{tmp_path / 'bus'}"
+    path.write_text(f"run: {run}\nrun_dir: {tmp_path / 'run'}\nbus: {bus_url}\n"
                     f"policies:\n  actor:\n    model: {tiny_model_dir}\nsampling:\n  max_new_tokens: 8\n")
     return path
 
@@ -106,10 +106,10 @@ def test_cli_bad_input_exits_2(tiny_model_dir, tmp_path, args, message):
 
 
 @pytest.mark.slow  # a component subprocess: ~30 s on 2 busy cores
-def test_live_evaluates_each_new_version_and_stops_on_sigterm(tiny_model_dir, engine, tmp_path):
+def test_live_evaluates_each_new_version_and_stops_on_sigterm(tiny_model_dir, engine, tmp_path, bus_url):
     run = f"ev-{uuid.uuid4().hex[:8]}"
-    config = write_config(tmp_path, tiny_model_dir, run)
-    bus, names = connect(f"local://{tmp_path / 'bus'}"), TopicNames(run)
+    config = write_config(tmp_path, tiny_model_dir, run, bus_url)
+    bus, names = connect(bus_url), TopicNames(run)
     bus.admin().ensure_run_topics(names, ["actor"])
     pub = Publisher(WeightStore((tmp_path / "run" / "weights").as_uri(), run), bus, names, "actor")
     pub.publish(zeroed(engine), 1)
