@@ -244,8 +244,7 @@ class HFEngine(Engine):
         return tok, logp.gather(1, tok[:, None])[:, 0]
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        params = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
         for name, value in state_dict.items():
             if name not in params:
                 raise KeyError(f"load_weights: the model has no parameter {name!r}")
@@ -264,7 +263,8 @@ class SGLangEngine(Engine):
     Generation uses the native ``POST /generate`` with ``input_ids`` and
     ``return_logprob``; weights are loaded with ``POST /update_weights_from_disk``
     (a ``save_pretrained`` directory). HTTP calls are retried with exponential
-    backoff on connection errors and 5xx responses.
+    backoff on connection errors and 5xx responses. ``SamplingParams.seed`` is
+    not sent (the server samples from its own ``--random-seed`` stream).
 
     Args:
         url: the server's base URL; with ``launch=True`` the port is taken from it
@@ -345,6 +345,7 @@ class SGLangEngine(Engine):
         return call()
 
     def generate(self, batch: list[list[int]], sampling: SamplingParams) -> list[Generation]:
+        """See :meth:`Engine.generate`. Raises RuntimeError when the server aborts a request."""
         _check_prompts(batch)
         params: dict[str, Any] = {
             "max_new_tokens": sampling.max_new_tokens,
@@ -354,8 +355,6 @@ class SGLangEngine(Engine):
             "ignore_eos": sampling.stop_token_ids is not None,
             "skip_special_tokens": False,
         }
-        if sampling.seed is not None:
-            params["sampling_seed"] = sampling.seed
         version = self._version
         result = self._post("/generate", {"input_ids": [list(map(int, b)) for b in batch],
                                           "sampling_params": params, "return_logprob": True})
@@ -366,6 +365,8 @@ class SGLangEngine(Engine):
             triples = item["meta_info"]["output_token_logprobs"]  # [(logprob, token_id, text), ...]
             reason = item["meta_info"].get("finish_reason") or {}
             kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+            if kind == "abort":
+                raise RuntimeError(f"sglang aborted a request: {reason.get('message', reason)}")
             out.append(Generation(
                 output_ids=np.array([t[1] for t in triples], dtype=np.int32),
                 logprobs=np.array([t[0] for t in triples], dtype=np.float32),

@@ -19,6 +19,7 @@ one with ``@register_workflow("name")``.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, ClassVar, Mapping
@@ -26,6 +27,8 @@ from typing import Any, Callable, ClassVar, Mapping
 import numpy as np
 
 from producers.engines import Engine, Generation, SamplingParams
+from producers.rewards import score_many
+from producers.sandbox import SandboxLimits, run_python
 from topics.schemas import Prompt, Sample, TrajectoryGroup
 
 WORKFLOWS: dict[str, type["Workflow"]] = {}
@@ -119,12 +122,6 @@ def _text(engine: Engine, ids: np.ndarray | list[int]) -> str:
     return engine.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def _score_many(prompt: Prompt, completions: list[str]) -> list[float]:
-    from producers.rewards import score_many
-
-    return score_many(prompt, completions)
-
-
 class Workflow(abc.ABC):
     """One agent workflow. Subclasses set ``roles`` (role -> default policy name) and implement :meth:`run`.
 
@@ -187,7 +184,7 @@ class SingleTurn(Workflow):
         eng = self.engine(engines, "policy")
         ids = prompt_ids(eng.tokenizer, prompt)
         gens = eng.generate([ids] * prompt.n_samples, sampling)
-        rewards = _score_many(prompt, [_text(eng, g.output_ids) for g in gens])
+        rewards = score_many(prompt, [_text(eng, g.output_ids) for g in gens])
         trajs = [Trajectory(ids) for _ in gens]
         for t, g in zip(trajs, gens):
             t.add_generation(g)
@@ -238,7 +235,7 @@ class SolveVerifyRetry(Workflow):
         g = prompt.n_samples
         first = solver.generate([ids] * g, sampling)
         answers = [_text(solver, x.output_ids) for x in first]
-        correct = [r > 0.5 for r in _score_many(prompt, answers)]
+        correct = [r > 0.5 for r in score_many(prompt, answers)]
         sol = [Trajectory(ids) for _ in range(g)]
         for t, x in zip(sol, first):
             t.add_generation(x)
@@ -248,7 +245,7 @@ class SolveVerifyRetry(Workflow):
                for a in answers]
         v_sampling = sampling
         if self.verifier_max_new_tokens is not None:
-            v_sampling = SamplingParams(**{**sampling.__dict__, "max_new_tokens": self.verifier_max_new_tokens})
+            v_sampling = dataclasses.replace(sampling, max_new_tokens=self.verifier_max_new_tokens)
         verdicts = verifier.generate([t.ids for t in ver], v_sampling)
         verdict_texts = [_text(verifier, v.output_ids) for v in verdicts]
         accepted = [accepts(v) for v in verdict_texts]
@@ -265,7 +262,7 @@ class SolveVerifyRetry(Workflow):
             for i, x in zip(retry, second):
                 sol[i].add_generation(x)
                 final[i] = _text(solver, x.output_ids)
-        solver_rewards = _score_many(prompt, final)
+        solver_rewards = score_many(prompt, final)
         verifier_rewards = [float(a == c) for a, c in zip(accepted, correct)]
         return [self.group(prompt, "solver", [t.to_sample(r) for t, r in zip(sol, solver_rewards)]),
                 self.group(prompt, "verifier", [t.to_sample(r) for t, r in zip(ver, verifier_rewards)])]
@@ -325,8 +322,6 @@ class MultiTurn(Workflow):
 
     def run_tool(self, code: str) -> str:
         """Run ``code`` in the sandbox; return its stdout (and stderr when it failed)."""
-        from producers.sandbox import SandboxLimits, run_python
-
         limits = SandboxLimits(cpu_s=max(1, int(self.tool_timeout_s)), wall_s=self.tool_timeout_s)
         result = run_python(code, limits)
         return result.stdout if result.passed else result.stdout + result.stderr
@@ -353,5 +348,5 @@ class MultiTurn(Workflow):
                     trajs[i].add_context(eng.tokenizer.encode(self.output_template.format(output=out),
                                                               add_special_tokens=False))
             active = sorted(calls)
-        rewards = _score_many(prompt, last_text)
+        rewards = score_many(prompt, last_text)
         return [self.group(prompt, "policy", [t.to_sample(r) for t, r in zip(trajs, rewards)])]

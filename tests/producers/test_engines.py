@@ -72,9 +72,10 @@ def test_load_weights_in_place_sets_version(tiny_model_dir):
     ptr = head.data_ptr()
     boosted = torch.zeros_like(head)
     boosted[eng.tokenizer.convert_tokens_to_ids("7")] = 10 * head.detach().abs().max()
-    state = {name: p.detach().clone() for name, p in eng.model.named_parameters()}
-    name = next(n for n, p in eng.model.named_parameters() if p is head)
-    state[name] = head.detach() + boosted
+    state = {name: p.detach().clone() for name, p in eng.model.state_dict().items()}
+    assert "lm_head.weight" in state  # tied to the embedding: both names load
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        state[name] = head.detach() + boosted
     eng.load_weights(state, version=3)
     assert eng.version == 3 and head.data_ptr() == ptr
     gens = eng.generate(batch, greedy)

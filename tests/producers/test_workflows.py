@@ -75,7 +75,7 @@ def test_solve_verify_retry(engine, tiny_model_dir):
 
     verifier = HFEngine(tiny_model_dir, dtype=torch.float32, version=4)
     prompt = arith("solve_verify_retry", g=8)
-    wf = get_workflow("solve_verify_retry")
+    wf = get_workflow("solve_verify_retry", verifier_max_new_tokens=3)
     solver_group, verifier_group = wf.run(prompt, {"solver": engine, "verifier": verifier}, SAMPLING)
     assert solver_group.policy == "solver" and verifier_group.policy == "verifier"
     assert solver_group.group_id != verifier_group.group_id
@@ -89,7 +89,7 @@ def test_solve_verify_retry(engine, tiny_model_dir):
         (a0, a1), *rest = segments(s.loss_mask)
         first = tok.decode(s.input_ids[a0:a1].tolist(), skip_special_tokens=True)
         [(v0, v1)] = segments(v.loss_mask)
-        assert v1 == len(v.input_ids) and v.turns == 1
+        assert v1 == len(v.input_ids) and v1 - v0 <= 3 and v.turns == 1
         verdict = tok.decode(v.input_ids[v0:v1].tolist(), skip_special_tokens=True)
         # the verifier saw the problem and the solver's first answer
         assert tok.decode(v.input_ids[:v0].tolist(), skip_special_tokens=True).startswith("3+4=" + first)
