@@ -122,3 +122,25 @@ def test_sglang_engine_logprobs_and_weight_update(tiny_model_dir, tmp_path):
         assert eng.version == 1
     finally:
         eng.close()
+
+
+def test_tiny_model_is_calibrated(engine, tiny_model_dir):
+    """The tiny model solves a clear minority of a+b (a, b <= 19) at temperature 1, and its tokenizer is lossless."""
+    import json
+
+    from producers.workflows import prompt_ids
+
+    calib = json.loads((tiny_model_dir / "calibration.json").read_text())
+    assert 0.2 <= calib["sampled_accuracy"] <= 0.5 and 250_000 <= calib["params"] <= 400_000
+    tok = engine.tokenizer
+    text = "Solve: what is 12 + 7?\nAnswer with a number {like this}."
+    assert tok.decode(tok.encode(text)) == text
+    assert prompt_ids(tok, text) == [tok.bos_token_id] + tok.encode(text)
+    problems = [(a, b) for a in range(20) for b in range(20)]
+    wide = HFEngine(tiny_model_dir, dtype=torch.float32, max_batch=len(problems))
+    gens = wide.generate(_encode(engine, [f"{a}+{b}=" for a, b in problems]),
+                         SamplingParams(max_new_tokens=3, temperature=1.0, seed=11))
+    solved = [g.finish_reason == "stop" and tok.decode(g.output_ids[:-1]) == str(a + b)
+              for g, (a, b) in zip(gens, problems)]
+    print(f"sampled accuracy {np.mean(solved):.3f}")
+    assert 0.12 <= np.mean(solved) <= 0.6
