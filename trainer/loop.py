@@ -8,9 +8,11 @@ from typing import Any, Protocol
 
 import torch
 
+from policies.base import group_staleness
 from topics.schemas import TrajectoryGroup
 from trainer import losses
 from trainer.batch import PackedBatch, pack_groups
+from trainer.checkpoint import Checkpoint
 from trainer.config import TrainerConfig
 from trainer.model import DTYPES, load_causal_lm, resolve_device, token_logprobs
 
@@ -30,14 +32,12 @@ class Trainer:
             and the reference model for the KL when ``kl_coef > 0``).
         publisher: called as ``publisher.publish(state_dict, version)`` after every step
             with bf16 CPU tensors; None publishes nothing.
-        metrics: an object with ``emit(step, values)`` (:class:`trainer.metrics.MetricsSink`), or None.
 
     Attributes:
         version: the version of the current weights: 0 at load, +1 per :meth:`train_step`.
     """
 
-    def __init__(self, config: TrainerConfig, model_dir: str | Path, *, publisher: WeightPublisher | None = None,
-                 metrics: Any | None = None):
+    def __init__(self, config: TrainerConfig, model_dir: str | Path, *, publisher: WeightPublisher | None = None):
         self.config = config
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
@@ -47,20 +47,18 @@ class Trainer:
                           if config.kl_coef > 0 else None)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
-        self.publisher, self.metrics = publisher, metrics
+        self.publisher = publisher
         self.version = 0
         self._generator = torch.Generator().manual_seed(config.seed)
 
-    # -- state -------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Model parameters, optimizer state and version (for :mod:`trainer.checkpoint`)."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.version = int(state["version"])
+    # -- state ------------------------------------------------------------
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Load a :class:`trainer.checkpoint.Checkpoint`: its weights, optimizer state and version."""
+        saved = load_causal_lm(ckpt.model_dir, "float32" if self.config.master_fp32 else self.config.param_dtype,
+                               self.device)
+        self.model.load_state_dict(saved.state_dict())
+        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.version = ckpt.version
 
     def publish_state(self) -> dict[str, torch.Tensor]:
         """The weights as published: bf16 CPU tensors, name -> tensor."""
@@ -161,7 +159,7 @@ class Trainer:
 
         step_s = time.perf_counter() - start
         epochs = cfg.ppo_epochs
-        staleness = [version_now - g.min_version for g in groups]
+        staleness = [group_staleness(g, version_now) for g in groups]
         gen_tokens = float(full.loss_mask.sum())
         rewards = full.rewards
         metrics = {
@@ -179,6 +177,4 @@ class Trainer:
         }
         for k, count in Counter(staleness).items():
             metrics[f"staleness_hist/{k}"] = float(count)
-        if self.metrics is not None:
-            self.metrics.emit(self.version, metrics)
         return metrics

@@ -1,0 +1,239 @@
+"""The serving stage: assembles training batches from ``samples.<policy>`` (DESIGN.md, step 5).
+
+- Records are decoded as :class:`~topics.schemas.TrajectoryGroup`; anything else
+  goes to the run's ``deadletter`` topic (:class:`topics.deadletter.ValidatingConsumer`).
+- Groups are buffered and served earliest ``min_version`` first.
+- A group whose staleness ``trainer_version - min_version`` (:func:`policies.base.group_staleness`)
+  exceeds ``max_staleness`` is dropped and counted, whenever it is looked at (it can age in the buffer).
+- Groups are de-duplicated by ``group_id``: against the buffer, and against the
+  persistent set of served ids, which is part of the checkpoint state.
+- A replay policy, when configured, supplies a fraction ``replay_fraction`` of
+  each batch.
+- Offsets are committed only by :meth:`ServingStage.commit`, which the trainer calls
+  after the trained step is checkpointed. The offset committed per partition is
+  the lowest offset still buffered (not yet served), or the end of what was
+  polled; a group re-read after a restart is then dropped as already served.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from policies.base import group_staleness
+from topics.bus import Consumer, Producer, TopicPartition
+from topics.deadletter import ValidatingConsumer
+from topics.schemas import TrajectoryGroup
+
+
+class ReplayPolicy(Protocol):
+    """A replay pool (``policies/replay``): remembers served groups and hands some back."""
+
+    def add(self, groups: list[TrajectoryGroup], version: int) -> None: ...
+
+    def sample(self, n: int, version: int) -> list[TrajectoryGroup]: ...
+
+
+@dataclass
+class ServedBatch:
+    """One batch for the trainer.
+
+    ``groups``: fresh groups (earliest version first) followed by replayed ones;
+    ``replayed``: how many of them came from the replay pool; ``dropped_stale`` and
+    ``duplicates``: groups dropped while assembling it; ``wait_s``: seconds spent
+    waiting for records; ``rejected``: records dead-lettered while assembling it.
+    """
+
+    groups: list[TrajectoryGroup]
+    replayed: int = 0
+    dropped_stale: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    wait_s: float = 0.0
+
+    @property
+    def samples(self) -> int:
+        return sum(len(g.samples) for g in self.groups)
+
+
+@dataclass(order=True)
+class _Buffered:
+    min_version: int
+    partition: int
+    offset: int
+    topic: str = field(compare=False)
+    group: TrajectoryGroup = field(compare=False)
+
+
+class ServingStage:
+    """Batch assembly for one policy's trainer.
+
+    Args:
+        consumer: a consumer in the trainer's group (``trainer.<policy>``); this stage
+            subscribes it to ``topic`` unless it already has an assignment.
+        producer: used for dead-letter writes.
+        topic: the ``samples.<policy>`` topic.
+        deadletter_topic: the run's ``deadletter`` topic.
+        max_staleness: versions; a group with ``version - min_version > max_staleness`` is dropped.
+        batch_groups: batch size in groups, or
+        batch_samples: batch size in samples (whole groups, until at least this many).
+        replay: a :class:`ReplayPolicy`, or None.
+        replay_fraction: r in [0, 1): the share of each batch taken from ``replay``.
+        max_buffer: groups buffered at most before a batch is cut (bounds memory).
+
+    Raises:
+        ValueError: not exactly one of ``batch_groups``/``batch_samples``, a bad
+            ``replay_fraction``, or a fraction without a replay policy.
+    """
+
+    def __init__(self, consumer: Consumer, producer: Producer, topic: str, deadletter_topic: str, *,
+                 max_staleness: int = 8, batch_groups: int | None = None, batch_samples: int | None = None,
+                 replay: ReplayPolicy | None = None, replay_fraction: float = 0.0, max_buffer: int = 4096):
+        if (batch_groups is None) == (batch_samples is None):
+            raise ValueError("give exactly one of batch_groups or batch_samples")
+        if (batch_groups or batch_samples) < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch_groups or batch_samples}")
+        if not 0.0 <= replay_fraction < 1.0:
+            raise ValueError(f"replay_fraction must be in [0, 1), got {replay_fraction}")
+        if replay_fraction and replay is None:
+            raise ValueError("replay_fraction > 0 needs a replay policy")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self.consumer, self.topic = consumer, topic
+        self.reader = ValidatingConsumer(consumer, producer, deadletter_topic, TrajectoryGroup)
+        if not consumer.assignment():
+            consumer.subscribe([topic])
+        self.max_staleness, self.batch_groups, self.batch_samples = max_staleness, batch_groups, batch_samples
+        self.replay, self.replay_fraction, self.max_buffer = replay, replay_fraction, max_buffer
+        self._buffer: list[_Buffered] = []
+        self._buffered_ids: set[str] = set()
+        self.served_ids: set[str] = set()
+        self._polled_end: dict[TopicPartition, int] = {}
+        #: totals since start: groups dropped as stale, as duplicates, records dead-lettered.
+        self.total_dropped_stale = 0
+        self.total_duplicates = 0
+
+    # -- state ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The served group ids (the de-duplication set) and the counters."""
+        return {"served_ids": sorted(self.served_ids), "dropped_stale": self.total_dropped_stale,
+                "duplicates": self.total_duplicates}
+
+    def load_state_dict(self, state: dict[str, Any], offsets: dict[TopicPartition, int] | None = None) -> None:
+        """Restore :meth:`state_dict` and read each partition in ``offsets`` from that offset next."""
+        self.served_ids = set(state.get("served_ids", ()))
+        self.total_dropped_stale = int(state.get("dropped_stale", 0))
+        self.total_duplicates = int(state.get("duplicates", 0))
+        self._buffer.clear()
+        self._buffered_ids.clear()
+        self._polled_end = dict(offsets or {})
+        for tp, off in (offsets or {}).items():
+            self.consumer.seek(tp, off)
+
+    def offsets_to_commit(self) -> dict[TopicPartition, int]:
+        """Per partition, the next offset a restart must read: the lowest buffered offset, else the polled end."""
+        out = dict(self._polled_end)
+        for b in self._buffer:
+            tp = TopicPartition(b.topic, b.partition)
+            out[tp] = min(out.get(tp, b.offset), b.offset)
+        return out
+
+    def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
+        """Commit ``offsets`` (default :meth:`offsets_to_commit`) for the consumer group.
+
+        Call only after the steps trained on everything before them are checkpointed.
+        """
+        offsets = self.offsets_to_commit() if offsets is None else offsets
+        if offsets:
+            self.consumer.commit(offsets)
+
+    # -- batches ------------------------------------------------------------
+    def _ingest(self, polled, batch: ServedBatch) -> None:
+        for record, group in polled:
+            if group.group_id in self.served_ids or group.group_id in self._buffered_ids:
+                batch.duplicates += 1
+                continue
+            self._buffered_ids.add(group.group_id)
+            self._buffer.append(_Buffered(group.min_version, record.partition, record.offset, record.topic, group))
+        for tp, end in self.reader.last_offsets.items():
+            self._polled_end[TopicPartition(*tp)] = max(end, self._polled_end.get(TopicPartition(*tp), 0))
+
+    def _drop_stale(self, version: int, batch: ServedBatch) -> None:
+        keep = []
+        for b in self._buffer:
+            if group_staleness(b.group, version) > self.max_staleness:
+                batch.dropped_stale += 1
+                self._buffered_ids.discard(b.group.group_id)
+                self.served_ids.add(b.group.group_id)  # consumed: never served later either
+            else:
+                keep.append(b)
+        self._buffer = keep
+
+    def _fresh_target(self) -> int:
+        """Fresh groups wanted (group mode) or samples wanted (sample mode)."""
+        size = self.batch_groups or self.batch_samples
+        return size - round(self.replay_fraction * size)
+
+    def _ready(self, target: int) -> bool:
+        if self.batch_groups is not None:
+            return len(self._buffer) >= target
+        return sum(len(b.group.samples) for b in self._buffer) >= target
+
+    def next_batch(self, version: int, timeout_s: float = 30.0, poll_timeout_s: float = 0.5) -> ServedBatch | None:
+        """Assemble the next batch for a trainer at ``version``.
+
+        Polls until the buffer holds enough fresh, non-stale groups, or ``timeout_s``
+        seconds pass; then returns what there is (a short batch), or None when
+        there is nothing to train on (drops are still counted in the ``total_*`` counters). Data already buffered is drained without waiting first,
+        so that earliest-version-first ordering sees all records available.
+
+        Raises:
+            topics.bus.BusError: the bus failed (including a dead-letter write).
+        """
+        batch = ServedBatch(groups=[])
+        target = self._fresh_target()
+        start = time.perf_counter()
+        deadline = start + timeout_s
+        rejected_before = self.reader.rejected
+        while True:
+            self._drop_stale(version, batch)
+            ready = self._ready(target)
+            if ready and len(self._buffer) >= self.max_buffer:
+                break
+            remaining = deadline - time.perf_counter()
+            if not ready and remaining <= 0:
+                break
+            t0 = time.perf_counter()
+            polled = self.reader.poll(timeout_s=0.0 if ready else min(poll_timeout_s, max(remaining, 0.0)))
+            if not ready:
+                batch.wait_s += time.perf_counter() - t0
+            if not polled and not self.reader.last_offsets and ready:
+                break
+            self._ingest(polled, batch)
+        batch.rejected = self.reader.rejected - rejected_before
+        self._drop_stale(version, batch)
+        self._buffer.sort()
+        taken, count = [], 0
+        while self._buffer and count < target:
+            b = self._buffer.pop(0)
+            self._buffered_ids.discard(b.group.group_id)
+            taken.append(b.group)
+            count += 1 if self.batch_groups is not None else len(b.group.samples)
+        for g in taken:
+            self.served_ids.add(g.group_id)
+        replayed: list[TrajectoryGroup] = []
+        if self.replay is not None:
+            if self.replay_fraction and taken:
+                size = self.batch_groups or self.batch_samples
+                want = round(self.replay_fraction * size)
+                if self.batch_samples is not None:  # samples -> groups, at the fresh groups' mean size
+                    want = round(want / (count / len(taken)))
+                replayed = self.replay.sample(want, version) if want else []
+            self.replay.add(taken, version)
+        self.total_dropped_stale += batch.dropped_stale
+        self.total_duplicates += batch.duplicates
+        if not taken and not replayed:
+            return None
+        batch.groups = taken + replayed
+        batch.replayed = len(replayed)
+        return batch

@@ -1,0 +1,116 @@
+"""The serving stage on each real bus backend."""
+import uuid
+
+import numpy as np
+import pytest
+
+from consumers.serving import ServingStage
+from policies.replay import Replay
+from topics.bus import connect
+from topics.codec import encode, headers_for
+from topics.names import TopicNames
+from topics.schemas import Sample, TrajectoryGroup
+
+
+def group(version: int, gid: str | None = None, n: int = 2) -> TrajectoryGroup:
+    samples = [Sample(input_ids=np.array([1, 5, 6], np.int32), loss_mask=np.array([0, 1, 1], np.uint8),
+                      behavior_logprobs=np.array([0, -1, -1], np.float32),
+                      versions=np.array([-1, version, version], np.int32), reward=float(i % 2)) for i in range(n)]
+    return TrajectoryGroup.build(samples=samples, prompt_id=f"p{version}", group_id=gid or uuid.uuid4().hex,
+                                 policy="pol")
+
+
+@pytest.fixture
+def setup(bus_url):
+    bus = connect(bus_url)
+    names = TopicNames(f"t{uuid.uuid4().hex[:10]}")
+    admin = bus.admin()
+    for t in (names.samples("pol"), names.deadletter):
+        admin.create_topic(t, partitions=2)
+    producer = bus.producer()
+
+    def produce(groups, raw=()):
+        for g in groups:
+            producer.send(names.samples("pol"), encode(g), key=g.prompt_id, headers=headers_for(g))
+        for value in raw:
+            producer.send(names.samples("pol"), value, key=b"junk")
+        producer.flush()
+
+    def stage(**kw):
+        consumer = bus.consumer(f"trainer.pol.{uuid.uuid4().hex[:6]}" if kw.pop("fresh_group", False)
+                                else "trainer.pol", session_timeout_s=6.0)
+        return ServingStage(consumer, producer, names.samples("pol"), names.deadletter, **kw)
+
+    return bus, names, produce, stage
+
+
+def test_stale_dropped_duplicates_dropped_garbage_dead_lettered_earliest_first(setup):
+    bus, names, produce, stage = setup
+    dup = group(7, gid="dup")
+    produce([group(v) for v in (9, 0, 5, 1, 2, 10)] + [dup, dup], raw=[b"not a message"])
+    s = stage(batch_groups=20, max_staleness=8)
+    batch = s.next_batch(version=10, timeout_s=20)
+    versions = [g.min_version for g in batch.groups]
+    assert versions == [2, 5, 7, 9, 10]  # 0 and 1 are 10 and 9 versions old: dropped; sorted
+    assert s.total_dropped_stale == 2 and s.total_duplicates == 1
+    # the garbage record is on the dead-letter topic
+    dl = bus.consumer(None)
+    dl.assign([(names.deadletter, p) for p in range(2)])
+    letters = []
+    for _ in range(20):
+        letters += dl.poll(timeout_s=0.5)
+        if letters:
+            break
+    assert len(letters) == 1
+    s.consumer.close()
+
+
+def test_staleness_is_checked_when_served_and_offsets_commit_lowest_buffered(setup):
+    bus, names, produce, stage = setup
+    produce([group(v) for v in (3, 4, 6)])
+    s = stage(batch_groups=1, max_staleness=2)
+    first = s.next_batch(version=5, timeout_s=20)
+    assert [g.min_version for g in first.groups] == [3]
+    # 4 and 6 are still buffered: committing must not pass them
+    buffered = {g.partition: g.offset for g in s._buffer}
+    for tp, off in s.offsets_to_commit().items():
+        if tp.partition in buffered:
+            assert off <= buffered[tp.partition]
+    # the trainer moved on to version 7: 4 is now 3 versions old and must never be served
+    second = s.next_batch(version=7, timeout_s=2)
+    assert [g.min_version for g in second.groups] == [6]
+    assert s.total_dropped_stale == 1
+    s.commit()
+    s.consumer.close()
+
+
+def test_restart_from_state_skips_served_groups(setup):
+    bus, names, produce, stage = setup
+    produce([group(v) for v in (1, 2, 3, 4)])
+    s = stage(batch_groups=2)
+    got = [g.group_id for g in s.next_batch(version=4, timeout_s=20).groups]
+    state, offsets = s.state_dict(), s.offsets_to_commit()
+    s.consumer.close()
+    s2 = stage(batch_groups=10, fresh_group=True)  # no committed offsets: everything is re-read
+    s2.load_state_dict(state, offsets)
+    rest = [g.group_id for g in s2.next_batch(version=4, timeout_s=20).groups]
+    assert len(rest) == 2 and not set(rest) & set(got)
+    s2.consumer.close()
+
+
+def test_replay_fraction_and_sample_batches(setup):
+    bus, names, produce, stage = setup
+    produce([group(v, n=2) for v in range(6)])
+    replay = Replay(ratio=0.5, max_staleness=8)
+    s = stage(batch_samples=4, replay=replay, replay_fraction=0.5)
+    b1 = s.next_batch(version=5, timeout_s=20)
+    assert b1.replayed == 0 and b1.samples == 2  # the pool was empty; 2 fresh samples = 1 group
+    b2 = s.next_batch(version=5, timeout_s=20)
+    assert b2.replayed == 1 and b2.groups[-1].group_id == b1.groups[0].group_id
+    s.consumer.close()
+
+
+def test_bad_batch_config_is_named(bus_url):
+    bus = connect(bus_url)
+    with pytest.raises(ValueError, match="exactly one of batch_groups or batch_samples"):
+        ServingStage(bus.consumer("g"), bus.producer(), "t", "dl")

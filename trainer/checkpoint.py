@@ -1,0 +1,134 @@
+"""Atomic trainer checkpoints: model, optimizer, version, consumed offsets, policy and serving state.
+
+Layout under a checkpoint root::
+
+    ckpt-00000012/
+        model/            save_pretrained directory (safetensors), loadable by AutoModelForCausalLM
+        optimizer.pt      torch.save of the optimizer state_dict
+        state.pt          torch.save of {"serving": ..., "policies": ..., "extra": ...}
+        meta.json         {"version", "offsets": [[topic, partition, offset], ...], "created_ts", ...}
+    LATEST                the name of the newest complete checkpoint
+
+A checkpoint is written into a temporary directory and renamed into place, then
+``LATEST`` is replaced atomically; a crash at any point leaves the previous
+checkpoint intact and named by ``LATEST``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from topics.bus import TopicPartition
+
+LATEST = "LATEST"
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint.
+
+    ``model_dir`` is the ``save_pretrained`` directory; ``optimizer`` the optimizer
+    state_dict; ``offsets`` the next offset to consume per partition; ``serving`` and
+    ``policies`` the state dicts saved with it; ``extra`` free JSON-able values.
+    """
+
+    path: Path
+    version: int
+    model_dir: Path
+    optimizer: dict[str, Any]
+    offsets: dict[TopicPartition, int]
+    serving: dict[str, Any] = field(default_factory=dict)
+    policies: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    offsets: dict[TopicPartition, int], serving: dict[str, Any] | None = None,
+                    policies: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+                    keep: int = 2) -> Path:
+    """Write a checkpoint of ``version`` under ``root`` atomically and prune all but the newest ``keep``.
+
+    Args:
+        model: an HF model (``save_pretrained`` is used).
+        offsets: per partition, the next offset to consume (records).
+        serving, policies: state dicts (anything ``torch.save`` can pickle).
+        extra: JSON-able values stored in ``meta.json``.
+        keep: complete checkpoints kept (>= 1).
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        OSError: the write failed; the previous checkpoint stays the latest.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"ckpt-{version:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    try:
+        model.save_pretrained(tmp / "model")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save({"serving": serving or {}, "policies": policies or {}}, tmp / "state.pt")
+        meta = {"version": version, "created_ts": time.time(), "extra": extra or {},
+                "offsets": [[tp.topic, tp.partition, off] for tp, off in sorted(offsets.items())]}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        final = root / name
+        if final.exists():  # a re-save of the same version (after a restart): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    latest_tmp = root / f".{LATEST}.tmp"
+    latest_tmp.write_text(name)
+    os.replace(latest_tmp, root / LATEST)
+    _fsync_dir(root)
+    complete = sorted(p for p in root.glob("ckpt-*") if p.is_dir())
+    for old in complete[:-max(keep, 1)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_latest(root: str | Path) -> Checkpoint | None:
+    """The checkpoint ``LATEST`` names under ``root``, or None when there is none.
+
+    Raises:
+        ValueError: ``LATEST`` names a checkpoint that is missing or incomplete.
+    """
+    root = Path(root)
+    latest = root / LATEST
+    if not latest.is_file():
+        return None
+    path = root / latest.read_text().strip()
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        state = torch.load(path / "state.pt", weights_only=False)
+        optimizer = torch.load(path / "optimizer.pt", weights_only=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {path} named by {latest} is unreadable: {e}") from e
+    return Checkpoint(
+        path=path, version=int(meta["version"]), model_dir=path / "model", optimizer=optimizer,
+        offsets={TopicPartition(t, int(p)): int(o) for t, p, o in meta["offsets"]},
+        serving=state["serving"], policies=state["policies"], extra=meta.get("extra", {}),
+    )

@@ -1,0 +1,175 @@
+"""The trainer process of one policy: serve batches, train, publish, checkpoint, commit.
+
+Per step: the serving stage assembles a batch from ``samples.<policy>``, the
+:class:`~trainer.loop.Trainer` trains on it and publishes the new version, and
+metrics go out. Every ``checkpoint_every`` steps (and at the end):
+
+1. the group ids trained since the last checkpoint are appended to
+   ``<run_dir>/trained_groups.jsonl`` and fsynced;
+2. the checkpoint (model, optimizer, version, offsets, serving and replay state,
+   and the byte length of that log) is written atomically;
+3. the consumed offsets are committed on the bus.
+
+A restart loads the latest checkpoint, truncates the log to the length it
+records, and seeks to its offsets: steps after the checkpoint are redone, and
+every group is trained exactly once in the checkpointed history.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from consumers.serving import ReplayPolicy, ServingStage
+from topics.bus import connect
+from topics.names import TopicNames
+from trainer.checkpoint import load_latest, save_checkpoint
+from trainer.config import TrainerConfig
+from trainer.loop import Trainer, WeightPublisher
+from trainer.metrics import MetricsSink
+
+TRAINED_LOG = "trained_groups.jsonl"
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class ServiceConfig:
+    """How the trainer process runs (sizes in groups/samples, times in seconds).
+
+    ``steps``: stop once the trainer reaches this version. ``idle_exit_s``: also
+    stop after this long without data (None: wait forever). ``checkpoint_every``:
+    steps between checkpoints. ``keep_checkpoints``: complete checkpoints kept.
+    """
+
+    bus: str
+    run: str
+    model_dir: Path
+    run_dir: Path
+    trainer: TrainerConfig
+    steps: int = 100
+    batch_groups: int | None = 16
+    batch_samples: int | None = None
+    max_staleness: int = 8
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    idle_exit_s: float | None = None
+    poll_timeout_s: float = 5.0
+    console: bool = True
+    tensorboard_dir: Path | None = None
+    wandb_project: str | None = None
+
+
+class TrainerService:
+    """One policy's trainer process. Build it, then :meth:`run`.
+
+    Args:
+        config: the :class:`ServiceConfig`.
+        publisher: ``publish(state_dict, version)`` after every step (the Weight Manager's
+            ``weights.publisher.Publisher``), or None.
+        replay: a replay policy (``add``/``sample``/``state_dict``/``load_state_dict``)
+            whose ``ratio`` is the fraction of each batch it supplies, or None.
+    """
+
+    def __init__(self, config: ServiceConfig, *, publisher: WeightPublisher | None = None,
+                 replay: ReplayPolicy | None = None):
+        self.config = cfg = config
+        policy = cfg.trainer.policy
+        self.names = TopicNames(cfg.run)
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.bus = connect(cfg.bus)
+        admin = self.bus.admin()
+        for topic in (self.names.samples(policy), self.names.metrics, self.names.deadletter):
+            admin.create_topic(topic, partitions=4)
+        self.producer = self.bus.producer()
+        self.consumer = self.bus.consumer(f"trainer.{policy}", client_id=f"trainer.{policy}.{os.getpid()}")
+        self.replay = replay
+        self.serving = ServingStage(
+            self.consumer, self.producer, self.names.samples(policy), self.names.deadletter,
+            max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups, batch_samples=cfg.batch_samples,
+            replay=replay, replay_fraction=float(getattr(replay, "ratio", 0.0)) if replay else 0.0)
+        self.trainer = Trainer(cfg.trainer, cfg.model_dir, publisher=publisher)
+        self.metrics = MetricsSink(f"trainer.{policy}", policy, producer=self.producer, topic=self.names.metrics,
+                                   console=cfg.console, jsonl_path=self.run_dir / "metrics.jsonl",
+                                   tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
+        self._pending: list[dict[str, Any]] = []
+        self._resume()
+
+    @property
+    def trained_log(self) -> Path:
+        return self.run_dir / TRAINED_LOG
+
+    def _resume(self) -> None:
+        ckpt = load_latest(self.run_dir / CHECKPOINTS)
+        log_bytes = 0
+        if ckpt is not None:
+            self.trainer.restore(ckpt)
+            self.serving.load_state_dict(ckpt.serving, ckpt.offsets)
+            if self.replay is not None and "replay" in ckpt.policies:
+                self.replay.load_state_dict(ckpt.policies["replay"])
+            log_bytes = int(ckpt.extra.get("trained_log_bytes", 0))
+        with open(self.trained_log, "a+b") as f:  # drop steps trained after the checkpoint
+            f.truncate(log_bytes)
+
+    def checkpoint(self) -> Path:
+        """Log the trained group ids, write the checkpoint atomically, then commit the offsets."""
+        with open(self.trained_log, "ab") as f:
+            for entry in self._pending:
+                f.write((json.dumps(entry) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        offsets = self.serving.offsets_to_commit()
+        path = save_checkpoint(
+            self.run_dir / CHECKPOINTS, version=self.trainer.version, model=self.trainer.model,
+            optimizer=self.trainer.optimizer, offsets=offsets, serving=self.serving.state_dict(),
+            policies={"replay": self.replay.state_dict()} if self.replay is not None else {},
+            extra={"trained_log_bytes": size}, keep=self.config.keep_checkpoints)
+        self._pending.clear()
+        self.serving.commit(offsets)
+        return path
+
+    def run(self) -> dict[str, Any]:
+        """Train until ``steps`` versions (or ``idle_exit_s`` without data); returns a summary.
+
+        Returns:
+            {"version", "steps_run", "dropped_stale", "duplicates", "wall_s"}.
+        """
+        cfg = self.config
+        start = time.perf_counter()
+        steps_run, last_data = 0, time.monotonic()
+        try:
+            while self.trainer.version < cfg.steps:
+                batch = self.serving.next_batch(self.trainer.version, timeout_s=cfg.poll_timeout_s)
+                if batch is None:
+                    if cfg.idle_exit_s is not None and time.monotonic() - last_data > cfg.idle_exit_s:
+                        break
+                    continue
+                last_data = time.monotonic()
+                fresh = batch.groups[: len(batch.groups) - batch.replayed]
+                metrics = self.trainer.train_step(batch.groups, wait_s=batch.wait_s)
+                metrics.update(replayed=batch.replayed, dropped_stale=batch.dropped_stale,
+                               duplicates=batch.duplicates, rejected=batch.rejected,
+                               dropped_stale_total=self.serving.total_dropped_stale)
+                self.metrics.emit(self.trainer.version, metrics)
+                self._pending.append({"version": self.trainer.version,
+                                      "group_ids": [g.group_id for g in fresh],
+                                      "replayed_ids": [g.group_id for g in batch.groups[len(fresh):]]})
+                steps_run += 1
+                if self.trainer.version % cfg.checkpoint_every == 0:
+                    self.checkpoint()
+            if self._pending:
+                self.checkpoint()
+        finally:
+            self.metrics.close()
+        return {"version": self.trainer.version, "steps_run": steps_run,
+                "dropped_stale": self.serving.total_dropped_stale, "duplicates": self.serving.total_duplicates,
+                "wall_s": time.perf_counter() - start}
+
+    def close(self) -> None:
+        """Leave the consumer group and flush the producer."""
+        self.consumer.close()
+        self.producer.close()
