@@ -201,7 +201,6 @@ class HFEngine(Engine):
                          use_cache=True, logits_to_keep=1)
         cache = getattr(out, self._cache_name)
         logits = out.logits[:, -1]
-        t = 0
         for t in range(steps):
             tok, logp = self._sample(logits, sampling, gen)
             tok = tok.masked_fill_(done, self.pad_id)

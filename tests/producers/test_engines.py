@@ -60,6 +60,10 @@ def test_greedy_matches_hf_generate(engine):
     ref = engine.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
                                 pad_token_id=engine.pad_id)
     assert ours.output_ids.tolist() == ref[0, len(prompt):len(prompt) + len(ours.output_ids)].tolist()
+    # a tiny top-p keeps only the most likely token: sampling becomes greedy, logprobs stay untruncated
+    nucleus = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1e-6, seed=0))[0]
+    assert nucleus.output_ids.tolist() == ours.output_ids.tolist()
+    np.testing.assert_allclose(nucleus.logprobs, ours.logprobs, atol=1e-5)
 
 
 def test_load_weights_in_place_sets_version(tiny_model_dir):
