@@ -71,7 +71,7 @@ class Publisher:
     """
 
     def __init__(self, store: WeightStore, bus: Bus | None, names: TopicNames, policy: str, *,
-                 level: int = 3, threads: int = -1, max_delta_fraction: float = 0.5,
+                 level: int = 1, threads: int = -1, max_delta_fraction: float = 0.5,
                  chain_budget: float = 1.0, max_chain: int = 1000, keep_versions: int | None = None,
                  producer_id: str | None = None):
         self.store, self.names, self.policy = store, names, policy

@@ -5,7 +5,7 @@ host copy of that policy's parameters, and brings it to the newest announced
 version along the cheapest path in bytes:
 
 - nodes are versions; a ``delta.zst`` at ``v`` is an edge ``base(v) -> v``
-  (its base is read from the object's 32-byte prefix), a ``full.safetensors``
+  (its base is read from the object's fixed-size prefix), a ``full.safetensors``
   at ``v`` is an edge from anywhere to ``v``;
 - edge costs are object sizes from the store listing, and the plan is the
   cheapest path from the local version (versions only increase, so one pass
