@@ -42,12 +42,13 @@ def tiny_model() -> Path:
 def main() -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="batch 16, 32 new tokens, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="batch 16, 32 new tokens, 5 rounds")
     parser.add_argument("--model", default=None, help="model directory (default: the tiny model)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1 is steadiest on a shared machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    batch, new_tokens, rounds = (16, 32, 3) if args.quick else (64, 128, 5)
+    batch, new_tokens, rounds = (16, 32, 5) if args.quick else (64, 128, 5)
 
     engine = HFEngine(args.model or tiny_model(), dtype=torch.float32, max_batch=batch)
     model, tok = engine.model, engine.tokenizer
