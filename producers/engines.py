@@ -386,10 +386,12 @@ class SGLangEngine(Engine):
         from safetensors.torch import save_file
 
         target = Path(tempfile.mkdtemp(prefix=f"astraflow-sglang-v{version}-"))
-        for f in Path(self.model_path).iterdir():
-            if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name != "model.safetensors.index.json":
+        for f in Path(self.model_path).iterdir():  # config, tokenizer, generation config; not the weights
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json")):
                 shutil.copy2(f, target / f.name)
-        save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, target / "model.safetensors")
+        # copies: tied weights share memory, which safetensors refuses to save
+        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()},
+                  target / "model.safetensors")
         try:
             self.load_weights_from_disk(target, version)
         finally:
