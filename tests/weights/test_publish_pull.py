@@ -1,4 +1,4 @@
-"""Publisher and puller against the real Kafka broker and real stores (local directory, moto S3 server)."""
+"""Publisher and puller on both buses (embedded, real Kafka) and real stores (local directory, moto S3 server)."""
 import logging
 import time
 import uuid
@@ -66,8 +66,8 @@ def assert_bit_equal(a, b):
 
 
 @pytest.fixture
-def run(kafka_url):
-    bus = bus_api.connect(kafka_url)
+def run(bus_url):
+    bus = bus_api.connect(bus_url)
     names = TopicNames(f"w-{uuid.uuid4().hex[:10]}")
     bus.admin().create_topic(names.weights, partitions=1, compacted=True)
     return bus, names
