@@ -183,9 +183,10 @@ class ServingStage:
         """Assemble the next batch for a trainer at ``version``.
 
         Polls until the buffer holds enough fresh, non-stale groups, or ``timeout_s``
-        seconds pass; then returns what there is (a short batch), or None when
-        there is nothing to train on (drops are still counted in the ``total_*`` counters). Data already buffered is drained without waiting first,
-        so that earliest-version-first ordering sees all records available.
+        seconds pass; then returns what there is (a short batch), or None when there
+        is nothing to train on (drops are still counted in the ``total_*`` counters).
+        Records already available are drained without waiting first, so that
+        earliest-version-first ordering sees all of them.
 
         Raises:
             topics.bus.BusError: the bus failed (including a dead-letter write).

@@ -1,7 +1,7 @@
 """The trainer's configuration: one validated pydantic model."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -26,6 +26,9 @@ class TrainerConfig(BaseModel):
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     master_fp32: bool = Field(default=False, description="keep fp32 parameters, compute in param_dtype (autocast)")
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N")
+    backend: Literal["torch", "deepspeed"] = Field(default="torch", description="deepspeed: ZeRO, via its launcher")
+    zero_stage: int = Field(default=2, ge=2, le=3, description="ZeRO stage of the deepspeed backend")
+    deepspeed: dict[str, Any] = Field(default_factory=dict, description="overrides of the DeepSpeed config dict")
     lr: float = Field(default=1e-6, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)

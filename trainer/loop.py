@@ -11,6 +11,7 @@ import torch
 from policies.base import group_staleness
 from topics.schemas import TrajectoryGroup
 from trainer import losses
+from trainer.backend import TorchBackend
 from trainer.batch import PackedBatch, pack_groups
 from trainer.checkpoint import Checkpoint
 from trainer.config import TrainerConfig
@@ -45,8 +46,13 @@ class Trainer:
         self.model = load_causal_lm(model_dir, load_dtype, self.device)
         self.ref_model = (load_causal_lm(model_dir, config.param_dtype, self.device, trainable=False)
                           if config.kl_coef > 0 else None)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
-                                           weight_decay=config.weight_decay)
+        if config.backend == "deepspeed":
+            from trainer.deepspeed_backend import DeepSpeedBackend
+
+            self.backend = DeepSpeedBackend(self.model, config)
+        else:
+            self.backend = TorchBackend(self.model, config)
+        self.optimizer = self.backend.optimizer
         self.publisher = publisher
         self.version = 0
         self._generator = torch.Generator().manual_seed(config.seed)
@@ -62,7 +68,7 @@ class Trainer:
 
     def publish_state(self) -> dict[str, torch.Tensor]:
         """The weights as published: bf16 CPU tensors, name -> tensor."""
-        return {k: v.detach().to("cpu", torch.bfloat16) for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu", torch.bfloat16) for k, v in self.backend.full_state_dict().items()}
 
     # -- one step ----------------------------------------------------------
     def _autocast(self):
@@ -110,7 +116,8 @@ class Trainer:
         full = pack_groups(groups, cfg.pad_token_id).to(self.device)
         advantages = losses.group_advantages(full.rewards.cpu(), full.group_index.cpu(),
                                              scale_by_std=cfg.adv_scale_by_std).to(self.device)
-        old_logp = self._frozen_logprobs(self.model, full) if cfg.correction == "tis" else full.behavior_logp
+        old_logp = (self._frozen_logprobs(self.backend.forward_model, full) if cfg.correction == "tis"
+                    else full.behavior_logp)
         ref_logp = self._frozen_logprobs(self.ref_model, full) if self.ref_model is not None else None
 
         self.model.train()
@@ -124,12 +131,12 @@ class Trainer:
             for m_start in range(0, n, mini):
                 m_idx = order[m_start: m_start + mini]
                 n_tokens = float(full.loss_mask[m_idx].sum().clamp(min=1.0))
-                self.optimizer.zero_grad(set_to_none=True)
+                self.backend.zero_grad()
                 for u_start in range(0, len(m_idx), micro):
                     idx = m_idx[u_start: u_start + micro]
                     b = full.select(idx)
                     width = b.input_ids.shape[1]
-                    logp, ent = self._logprobs(self.model, b, with_entropy=True)
+                    logp, ent = self._logprobs(self.backend.forward_model, b, with_entropy=True)
                     out = losses.policy_loss(
                         logp, old_logp[idx, :width], b.behavior_logp, advantages[idx], b.loss_mask,
                         correction=cfg.correction, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -137,7 +144,7 @@ class Trainer:
                         ref_logp=None if ref_logp is None else ref_logp[idx, :width], kl_coef=cfg.kl_coef,
                         entropy=ent, entropy_coef=cfg.entropy_coef, agg=cfg.loss_agg,
                         n_tokens=n_tokens, n_seqs=len(m_idx), norm_len=cfg.norm_len)
-                    out.loss.backward()
+                    self.backend.backward(out.loss, boundary=u_start + micro >= len(m_idx))
                     valid = b.loss_mask.bool()
                     # micro-batch losses add up to their mini-batch's; mini-batches weigh by size
                     for key in ("loss", "pg_loss", "kl", "entropy"):
@@ -148,9 +155,7 @@ class Trainer:
                     if ratio.numel():
                         sums["is_ratio_sum"] += float(ratio.sum())
                         is_min, is_max = min(is_min, float(ratio.min())), max(is_max, float(ratio.max()))
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                self.optimizer.step()
-                sums["grad_norm"] += float(grad_norm)
+                sums["grad_norm"] += self.backend.step()
                 sums["updates"] += 1
         self.model.eval()
         self.version += 1

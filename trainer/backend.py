@@ -1,0 +1,44 @@
+"""The optimisation backend of the :class:`~trainer.loop.Trainer`: plain torch (the default, one process).
+
+A backend owns the optimizer. The trainer calls, per optimiser step, ``backward``
+on each micro-batch's loss (``boundary=True`` on the last one), then ``step``.
+The DeepSpeed backend (:mod:`trainer.deepspeed_backend`) has the same methods.
+"""
+from __future__ import annotations
+
+import torch
+
+from trainer.config import TrainerConfig
+
+
+class TorchBackend:
+    """AdamW on the model's parameters, gradient clipping by global L2 norm.
+
+    Attributes:
+        forward_model: the module to call for forward passes (the model itself).
+        optimizer: the ``torch.optim.AdamW`` instance (checkpointed).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: TrainerConfig):
+        self.model = self.forward_model = model
+        self.max_grad_norm = config.max_grad_norm
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                                           weight_decay=config.weight_decay)
+
+    def zero_grad(self) -> None:
+        """Clear the gradients before a new optimiser step."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        """Accumulate the gradient of ``loss`` (already normalised for accumulation)."""
+        loss.backward()
+
+    def step(self) -> float:
+        """Clip the gradients to ``max_grad_norm`` and apply AdamW; returns the pre-clip global norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        return float(norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The complete parameters (name -> tensor, on the model's device)."""
+        return self.model.state_dict()
