@@ -16,7 +16,6 @@ Usage: ``scripts/bench_rollout.py [--quick] [--model DIR] [--threads N]``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import sys
@@ -28,15 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from astraflow.models import tiny_model_dir  # noqa: E402
 from producers.engines import HFEngine, SamplingParams  # noqa: E402
-
-
-def tiny_model() -> Path:
-    """The cached tiny model directory (built on first use)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.cached_tiny_model()
 
 
 def main() -> None:
@@ -50,11 +42,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     batch, new_tokens, rounds = (16, 32, 5) if args.quick else (64, 128, 5)
 
-    engine = HFEngine(args.model or tiny_model(), dtype=torch.float32, max_batch=batch)
+    engine = HFEngine(args.model or tiny_model_dir(), dtype=torch.float32, max_batch=batch)
     model, tok = engine.model, engine.tokenizer
     rng = random.Random(0)
     texts = [f"{rng.randint(0, 19)}+{rng.randint(0, 19)}=" for _ in range(batch)]
-    prompts = [[tok.bos_token_id] + tok.encode(t) for t in texts]
+    prompts = [tok.encode(t) for t in texts]
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=())
 
     width = max(map(len, prompts))

@@ -16,13 +16,15 @@ stops as soon as that accuracy is within ``[0.25, 0.5]`` (the target band is
 [0.2, 0.5], DESIGN.md), so RL has room to improve it.
 
 Usage: ``scripts/make_tiny_model.py [--out DIR] [--steps N] [--seed S]``; without
-``--out`` it builds (once) into the shared cache and prints the directory.
+``--out`` it builds (once) into the shared cache (:func:`astraflow.models.tiny_model_dir`)
+and prints the directory.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -55,11 +57,11 @@ def build_tokenizer():
     ASCII 32..126. It is a byte-level BPE with no merges, so it loads the same
     through ``AutoTokenizer`` whether transformers picks the generic backend or
     ``Qwen2Tokenizer`` (which re-applies byte-level pre-tokenization). Other
-    characters become ``<unk>`` (or are dropped by ``Qwen2Tokenizer``). Nothing
-    is added by ``encode``: ``<bos>`` comes from the chat template, which
-    renders ``<bos>`` and then the concatenated message contents.
+    characters become ``<unk>`` (or are dropped by ``Qwen2Tokenizer``).
+    ``encode(text)`` prepends ``<bos>`` (``add_special_tokens=False`` does not);
+    the chat template renders ``<bos>`` and then the concatenated message contents.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     chars = [_byte_level(c) for c in ["\n"] + [chr(c) for c in range(32, 127)]]
@@ -68,6 +70,8 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIALS))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
@@ -107,8 +111,8 @@ def _batch(tokenizer, rng: random.Random, n: int) -> tuple[torch.Tensor, torch.T
     rows, labels = [], []
     for _ in range(n):
         a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
-        prompt = [tokenizer.bos_token_id] + tokenizer.encode(f"{a}+{b}=")
-        answer = tokenizer.encode(str(a + b)) + [eos]
+        prompt = tokenizer.encode(f"{a}+{b}=")
+        answer = tokenizer.encode(str(a + b), add_special_tokens=False) + [eos]
         rows.append(prompt + answer)
         labels.append([-100] * len(prompt) + answer)
     width = max(map(len, rows))
@@ -131,7 +135,7 @@ def sampled_accuracy(model, tokenizer, seed: int = 0) -> float:
     by_len: dict[int, list[tuple[list[int], int]]] = {}
     for a in range(MAX_OPERAND + 1):
         for b in range(MAX_OPERAND + 1):
-            ids = [tokenizer.bos_token_id] + tokenizer.encode(f"{a}+{b}=")
+            ids = tokenizer.encode(f"{a}+{b}=")
             by_len.setdefault(len(ids), []).append((ids, a + b))
     solved = total = 0
     for items in by_len.values():
@@ -210,47 +214,20 @@ def make_tiny_model(out_dir: str | Path, steps: int = 300, seed: int = 0, batch_
     return out
 
 
-def cached_tiny_model(cache_dir: str | Path | None = None) -> Path:
-    """The tiny model built by this script, cached by the script's content; built on first use.
-
-    The directory is ``<cache_dir>/tiny-model-<sha256 of this file, 12 hex>``,
-    ``cache_dir`` defaulting to ``$ASTRAFLOW_CACHE`` or ``~/.cache/astraflow``. A
-    file lock serialises concurrent processes; the model is built in a
-    temporary sibling directory and renamed into place.
-
-    Returns:
-        The model directory (``save_pretrained`` layout).
-    """
-    import fcntl
-    import hashlib
-    import os
-    import shutil
-
-    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    cache = Path(cache_dir or os.environ.get("ASTRAFLOW_CACHE") or Path.home() / ".cache" / "astraflow")
-    cache.mkdir(parents=True, exist_ok=True)
-    target = cache / f"tiny-model-{digest}"
-    with open(cache / f"tiny-model-{digest}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").exists():
-            tmp = cache / f"tiny-model-{digest}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            make_tiny_model(tmp)
-            os.replace(tmp, target)
-    return target
-
-
 def main() -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None,
-                        help="output directory (default: the shared cache, see cached_tiny_model)")
+                        help="output directory (default: the shared cache, astraflow.models.tiny_model_dir)")
     parser.add_argument("--steps", type=int, default=300, help="most SFT steps")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.out is None:
-        print(cached_tiny_model())
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from astraflow.models import tiny_model_dir
+
+        print(tiny_model_dir())
     else:
         make_tiny_model(args.out, steps=args.steps, seed=args.seed)
 

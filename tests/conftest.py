@@ -38,16 +38,7 @@ def bus_url(request, tmp_path) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    """Directory of the tiny arithmetic model, built once and cached (``scripts/make_tiny_model.py``).
-
-    See ``cached_tiny_model`` there: the cache key is the script's hash, under
-    ``$ASTRAFLOW_CACHE`` (default ``~/.cache/astraflow``), with a file lock.
-    """
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_model.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_model", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.cached_tiny_model()
+    """Directory of the tiny arithmetic model (``scripts/make_tiny_model.py``), built once and cached
+    (see :func:`astraflow.models.tiny_model_dir`)."""
+    from astraflow.models import tiny_model_dir as build
+    return build()

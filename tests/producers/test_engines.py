@@ -16,7 +16,7 @@ def engine(tiny_model_dir):
 
 
 def _encode(engine, texts):
-    return [[engine.tokenizer.bos_token_id] + engine.tokenizer.encode(t) for t in texts]
+    return [engine.tokenizer.encode(t) for t in texts]
 
 
 def test_behaviour_logprobs_match_teacher_forced_recompute(engine):
@@ -138,8 +138,8 @@ def test_tiny_model_is_calibrated(engine, tiny_model_dir):
     assert 0.2 <= calib["sampled_accuracy"] <= 0.5 and 250_000 <= calib["params"] <= 400_000
     tok = engine.tokenizer
     text = "Solve: what is 12 + 7?\nAnswer with a number {like this}."
-    assert tok.decode(tok.encode(text)) == text
-    assert prompt_ids(tok, text) == [tok.bos_token_id] + tok.encode(text)
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert prompt_ids(tok, text) == tok.encode(text) and tok.encode(text)[0] == tok.bos_token_id
     problems = [(a, b) for a in range(20) for b in range(20)]
     wide = HFEngine(tiny_model_dir, dtype=torch.float32, max_batch=len(problems))
     gens = wide.generate(_encode(engine, [f"{a}+{b}=" for a, b in problems]),

@@ -124,7 +124,8 @@ class ScriptedEngine(Engine):
 
     def generate(self, batch, sampling):
         self.seen.append([list(b) for b in batch])
-        ids = np.array(self._tok.encode(self.replies.pop(0)) + [self._tok.eos_token_id], np.int32)
+        ids = np.array(self._tok.encode(self.replies.pop(0), add_special_tokens=False) + [self._tok.eos_token_id],
+                       np.int32)
         return [Generation(ids, np.full(len(ids), -0.5, np.float32), "stop", self._version) for _ in batch]
 
     def load_weights(self, state_dict, version):
