@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from topics.bus import connect
-from topics.codec import encode, headers_for
+from topics.codec import decode, encode, headers_for
 from topics.names import TopicNames
-from topics.schemas import Sample, TrajectoryGroup
+from topics.schemas import Metric, Sample, TrajectoryGroup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,6 +83,20 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
     assert [e["version"] for e in entries] == list(range(1, 11))
     trained = [gid for e in entries for gid in e["group_ids"]]
     assert sorted(trained) == produced  # every produced group exactly once, none twice
+    # per-step metrics went to the metrics topic
+    reader = bus.consumer(None)
+    reader.assign([(names.metrics, p) for p in range(bus.admin().describe_topic(names.metrics).partitions)])
+    reader.seek_to_beginning()
+    metrics = []
+    for _ in range(40):
+        metrics += [decode(r.value, Metric) for r in reader.poll(timeout_s=0.5)]
+        if {m.step for m in metrics} >= set(range(1, 11)):
+            break
+    assert {m.step for m in metrics} >= set(range(1, 11))
+    for key in ("loss", "pg_loss", "kl", "clipfrac", "entropy", "grad_norm", "reward_mean", "reward_std",
+                "staleness_mean", "is_ratio_mean", "is_ratio_max", "is_ratio_min", "tokens_per_s", "wait_frac"):
+        assert key in metrics[-1].values, key
+    assert metrics[-1].component == "trainer.pol" and metrics[-1].kind == "trainer"
     # the committed offsets cover everything consumed
     lag = bus.admin().group_lag("trainer.pol", names.samples("pol"))
     assert sum(lag.values()) == 0
