@@ -81,6 +81,7 @@ class RaasConfig(_Strict):
     workers: int = Field(default=1, ge=1)
     batch_prompts: int = Field(default=8, ge=1, description="prompts per rollout batch")
     max_inflight_groups: int = Field(default=128, ge=1, description="pause while trainer lag exceeds this")
+    session_timeout_s: float = Field(default=30.0, gt=0, description="seconds before a dead worker's prompts move")
 
 
 class EvalConfig(_Strict):

@@ -7,7 +7,7 @@ per policy, writes one TrajectoryGroup per policy to ``trajectories.<policy>``
 and a RolloutOutcome to ``outcomes``, and commits the prompt offsets only after
 those writes are acknowledged.
 
-``group_id`` is derived from (prompt_id, epoch, policy), so a prompt that is
+``group_id`` is derived from (prompt_id, epoch, policy, position), so a prompt that is
 redelivered after a crash yields groups with the same ids, which the serving
 stage de-duplicates.
 
@@ -40,10 +40,11 @@ from weights.store import WeightStore
 log = logging.getLogger(__name__)
 
 
-def group_id_for(prompt: Prompt, policy: str) -> str:
-    """The de-duplication key of ``policy``'s group for one delivery of ``prompt``: sha256 of
-    (prompt_id, epoch, policy), 32 hex characters. A redelivered prompt gets the same ids."""
-    key = f"{prompt.prompt_id}\x00{prompt.metadata.get('epoch', 0)}\x00{policy}"
+def group_id_for(prompt: Prompt, policy: str, index: int) -> str:
+    """The de-duplication key of the ``index``-th group a workflow returned for one delivery of
+    ``prompt``: sha256 of (prompt_id, epoch, policy, index), 32 hex characters. A redelivered
+    prompt gets the same ids (workflows return their groups in a fixed role order)."""
+    key = f"{prompt.prompt_id}\x00{prompt.metadata.get('epoch', 0)}\x00{policy}\x00{index}"
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -90,7 +91,7 @@ class RaasWorker:
                                        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
         self.admin = self.bus.admin()
         self.producer = self.bus.producer()
-        self.consumer = self.bus.consumer(raas_group(cfg.workflow.name), session_timeout_s=30.0,
+        self.consumer = self.bus.consumer(raas_group(cfg.workflow.name), session_timeout_s=cfg.raas.session_timeout_s,
                                           client_id=self.id)
         self.consumer.subscribe([self.names.prompts])
         self.prompts = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, Prompt)
@@ -143,8 +144,8 @@ class RaasWorker:
         """Run the workflow on ``prompt`` and write its groups and outcomes (not flushed)."""
         groups = self.workflow.run(prompt, self.engines, self.sampling)
         out = []
-        for g in groups:
-            g = g.model_copy(update={"group_id": group_id_for(prompt, g.policy), "producer_id": self.id})
+        for i, g in enumerate(groups):
+            g = g.model_copy(update={"group_id": group_id_for(prompt, g.policy, i), "producer_id": self.id})
             self.producer.send(self.names.trajectories(g.policy), encode(g), key=g.prompt_id,
                                headers=headers_for(g))
             outcome = RolloutOutcome(prompt_id=g.prompt_id, group_id=g.group_id, policy=g.policy,
