@@ -39,15 +39,16 @@ DATA = Path("/work/shared/data/gsm8k_train.jsonl")
 LRS = (1e-7, 1e-6, 1e-5, 1e-4)
 
 
-def build_model(model_dir: str | None) -> torch.nn.Module:
-    """The causal LM in fp32: from ``model_dir``, or a random-init Qwen2 (hidden 256, 4 layers, vocab 1000)."""
+def build_model(model_dir: str | None, hidden: int = 256, layers: int = 4) -> torch.nn.Module:
+    """The causal LM in fp32: from ``model_dir``, or a random-init Qwen2 (``hidden``, ``layers``, vocab 1000)."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     if model_dir:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    cfg = Qwen2Config(vocab_size=1000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
+                      max_position_embeddings=512,
                       tie_word_embeddings=False)
     return Qwen2ForCausalLM(cfg)
 
@@ -82,7 +83,7 @@ def memcpy_gbps(state: dict[str, torch.Tensor], nbytes: int, repeats: int = 3) -
 
 
 def run_lr(lr: float, steps: int, args) -> list[dict]:
-    model = build_model(args.model)
+    model = build_model(args.model, args.hidden, args.layers)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     data = batches(model.config.vocab_size, args.batch, args.seq)
@@ -121,6 +122,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 steps per learning rate instead of 8")
     ap.add_argument("--model", help="a local transformers causal-LM directory (default: a small random Qwen2)")
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size of the built Qwen2 (no --model)")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the built Qwen2 (no --model)")
+    ap.add_argument("--lrs", type=float, nargs="+", default=list(LRS), help="learning rates (1e-6 is always run)")
     ap.add_argument("--level", type=int, default=1, help="zstd level")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
@@ -133,7 +137,7 @@ def main() -> None:
     summary = {}
     print(f"{'lr':>7} {'step':>4} {'sparsity':>9} {'delta/full':>10} {'delta/paper':>11} "
           f"{'enc GB/s':>8} {'dec GB/s':>8} {'memcpy GB/s':>11}")
-    for lr in LRS:
+    for lr in sorted(set(args.lrs) | {1e-6}):
         rows = run_lr(lr, steps, args)
         for r in rows:
             print(f"{lr:7.0e} {r['step']:4d} {r['sparsity']:9.5f} {r['over_full']:10.5f} {r['over_paper']:11.4f} "
