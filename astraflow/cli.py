@@ -103,6 +103,42 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 
 
 @app.command()
+def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
+            policy: str = typer.Option(..., "--policy", help="the policy to train")) -> None:
+    """Run one policy's trainer: consume `samples.<policy>` (group `trainer.<policy>`), train with
+    GRPO/PPO, publish weights to the store and `weights`. Resumes from its last checkpoint;
+    SIGTERM checkpoints and stops."""
+    from astraflow.models import resolve_model
+    from policies.registry import build_policy
+    from topics.bus import connect
+    from topics.names import TopicNames
+    from trainer.service import ServiceConfig, TrainerService
+    from weights.publisher import Publisher
+    from weights.store import WeightStore
+
+    cfg = _load(config, overrides)
+    if policy not in cfg.policies:
+        typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
+        raise typer.Exit(2)
+    pc = cfg.policies[policy]
+    stop = _component_setup(f"trainer.{policy}")
+    replays = [build_policy(spec) for spec in pc.serving if spec.get("name") == "replay"]
+    service_cfg = ServiceConfig(bus=cfg.bus, run=cfg.run, model_dir=resolve_model(pc.model),
+                                run_dir=cfg.run_dir / f"trainer.{policy}", trainer=pc.trainer, steps=pc.steps,
+                                batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
+                                checkpoint_every=pc.checkpoint_every, console=False)
+    publisher = Publisher(WeightStore(cfg.store, cfg.run), connect(cfg.bus), TopicNames(cfg.run), policy,
+                          producer_id=f"trainer.{policy}")
+    service = TrainerService(service_cfg, publisher=publisher, replay=replays[0] if replays else None)
+    try:
+        summary = service.run(stop)
+    finally:
+        publisher.close()
+        service.close()
+    print(json.dumps(summary), flush=True)
+
+
+@app.command()
 def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
            watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C"),
            seconds: float = typer.Option(3.0, "--seconds", help="seconds of metrics to read before printing")) -> None:

@@ -170,6 +170,7 @@ class Launcher:
                       f"(logs in {cfg.run_dir / 'logs'}); bus {cfg.bus}; store {cfg.store}")
         interrupted, failed = False, []
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cleanly too
         try:
             with Live(monitor.table(), console=console, refresh_per_second=2, transient=False) as live:
                 last = 0.0
@@ -189,9 +190,10 @@ class Launcher:
                         break
         except KeyboardInterrupt:
             interrupted = True
-            console.print("[yellow]Ctrl-C: stopping every component cleanly (SIGTERM)...[/]")
+            console.print("[yellow]interrupted: stopping every component cleanly (SIGTERM)...[/]")
         finally:
             signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGTERM, previous_term)
             self.stopping = True
             self._stop_all()
             monitor.poll(1.0)

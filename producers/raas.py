@@ -14,7 +14,7 @@ stage de-duplicates.
 Between batches it pulls new weights through the Weight Manager's puller.
 Backpressure: it pauses its ``prompts`` partitions while the in-flight groups
 (filter and trainer lag on ``trajectories.<policy>`` and ``samples.<policy>``)
-exceed ``raas.max_inflight_groups``, or while its weights are more than
+exceed ``raas.max_inflight_groups`` (see :attr:`RaasWorker.max_lag`), or while its weights are more than
 ``max_staleness`` versions behind the newest announcement.
 """
 from __future__ import annotations
@@ -112,6 +112,17 @@ class RaasWorker:
                 except WeightsUnavailable as e:
                     log.warning("%s: keeping version %d of %s: %s", self.id, self.engines[p].version, p, e)
 
+    @property
+    def max_lag(self) -> int:
+        """The committed lag (groups) above which this worker pauses.
+
+        Trainers commit offsets only at checkpoints, so their committed lag also
+        counts up to ``checkpoint_every x batch_groups`` groups already trained;
+        those are added to ``raas.max_inflight_groups``.
+        """
+        held = max(self.cfg.policies[p].checkpoint_every * self.cfg.policies[p].batch_groups for p in self.policies)
+        return self.cfg.raas.max_inflight_groups + held
+
     def inflight_groups(self) -> int:
         """Groups produced but not yet consumed by filters and trainers (records, from committed offsets)."""
         total = 0
@@ -135,8 +146,8 @@ class RaasWorker:
             inflight = self.inflight_groups()
         except BusError:
             return ""  # topics not created yet: nothing in flight
-        if inflight > self.cfg.raas.max_inflight_groups:
-            return f"{inflight} groups in flight > {self.cfg.raas.max_inflight_groups}"
+        if inflight > self.max_lag:
+            return f"{inflight} groups in flight > {self.max_lag}"
         return ""
 
     # -- rollout ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,8 +133,9 @@ class TrainerService:
         self.serving.commit(offsets)
         return path
 
-    def run(self) -> dict[str, Any]:
-        """Train until ``steps`` versions (or ``idle_exit_s`` without data); returns a summary.
+    def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
+        """Train until ``steps`` versions, ``idle_exit_s`` without data, or ``stop`` is set
+        (then the step in hand finishes and a checkpoint commits it); returns a summary.
 
         Returns:
             {"version", "steps_run", "dropped_stale", "duplicates", "wall_s"}.
@@ -142,7 +144,7 @@ class TrainerService:
         start = time.perf_counter()
         steps_run, last_data = 0, time.monotonic()
         try:
-            while self.trainer.version < cfg.steps:
+            while self.trainer.version < cfg.steps and not (stop is not None and stop.is_set()):
                 batch = self.serving.next_batch(self.trainer.version, timeout_s=cfg.poll_timeout_s)
                 if batch is None:
                     if cfg.idle_exit_s is not None and time.monotonic() - last_data > cfg.idle_exit_s:
