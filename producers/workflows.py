@@ -268,6 +268,84 @@ class SolveVerifyRetry(Workflow):
                 self.group(prompt, "verifier", [t.to_sample(r) for t, r in zip(ver, verifier_rewards)])]
 
 
+@register_workflow("plan_execute_critique")
+class PlanExecuteCritique(Workflow):
+    """Three roles: a planner writes a plan, an executor answers following it, a critic judges the answer.
+
+    Per sample: the planner sees ``planner_template`` (with ``{problem}``) and
+    generates a plan; the executor sees ``executor_template`` (with ``{plan}``
+    and ``{problem}``; the plan is context, loss_mask 0) and generates the
+    answer; the critic sees ``critic_template`` (with ``{problem}``, ``{plan}``
+    and ``{answer}``) and generates a verdict, parsed by :func:`accepts`. Each
+    role has its own trajectory, so its group's loss mask covers only the
+    tokens that role generated.
+
+    Rewards (``c`` = :func:`producers.rewards.score_many` of the executor's answer):
+
+    - executor: ``c``, the correctness of its final answer;
+    - planner: ``c`` too: the shared outcome is credited to the plan that led to
+      it (the outcome-level credit assignment of multi-agent RL, as for a
+      solver's retry in ``solve_verify_retry``); within a GRPO group the
+      advantage then compares plans by the answers they produced;
+    - critic: 1.0 when its verdict matches the answer's actual correctness
+      (``accepts(verdict) == (c > 0.5)``), else 0.0.
+
+    Returns the planner's, the executor's and the critic's group, in that order.
+
+    Args:
+        policies: role overrides; roles ``planner``, ``executor`` and ``critic``.
+        planner_template, executor_template, critic_template: the roles' prompts (format strings).
+        plan_max_new_tokens, critic_max_new_tokens: token budgets of the plan and the verdict
+            (default: the sampling's ``max_new_tokens``).
+    """
+
+    roles: ClassVar[dict[str, str]] = {"planner": "planner", "executor": "executor", "critic": "critic"}
+
+    def __init__(self, policies: Mapping[str, str] | None = None,
+                 planner_template: str = "{problem}\nPlan: ",
+                 executor_template: str = "Plan: {plan}\n{problem}",
+                 critic_template: str = "{problem}{answer}\nCorrect (1/0)? ",
+                 plan_max_new_tokens: int | None = None, critic_max_new_tokens: int | None = None) -> None:
+        super().__init__(policies)
+        self.planner_template, self.executor_template = planner_template, executor_template
+        self.critic_template = critic_template
+        self.plan_max_new_tokens, self.critic_max_new_tokens = plan_max_new_tokens, critic_max_new_tokens
+
+    @staticmethod
+    def _budget(sampling: SamplingParams, max_new_tokens: int | None) -> SamplingParams:
+        return sampling if max_new_tokens is None else dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
+
+    def run(self, prompt: Prompt, engines: Mapping[str, Engine], sampling: SamplingParams) -> list[TrajectoryGroup]:
+        planner, executor = self.engine(engines, "planner"), self.engine(engines, "executor")
+        critic = self.engine(engines, "critic")
+        g, problem = prompt.n_samples, problem_text(prompt)
+
+        plan_ids = prompt_ids(planner.tokenizer, self.planner_template.format(problem=problem))
+        plans = planner.generate([plan_ids] * g, self._budget(sampling, self.plan_max_new_tokens))
+        plan_texts = [_text(planner, x.output_ids).strip() for x in plans]
+        plan_trajs = [Trajectory(plan_ids) for _ in range(g)]
+        for t, x in zip(plan_trajs, plans):
+            t.add_generation(x)
+
+        exe_trajs = [Trajectory(prompt_ids(executor.tokenizer, self.executor_template.format(plan=p, problem=problem)))
+                     for p in plan_texts]
+        answers = executor.generate([t.ids for t in exe_trajs], sampling)
+        answer_texts = [_text(executor, x.output_ids) for x in answers]
+        for t, x in zip(exe_trajs, answers):
+            t.add_generation(x)
+        outcome = score_many(prompt, answer_texts)
+
+        critic_trajs = [Trajectory(prompt_ids(critic.tokenizer, self.critic_template.format(
+            problem=problem, plan=p, answer=a))) for p, a in zip(plan_texts, answer_texts)]
+        verdicts = critic.generate([t.ids for t in critic_trajs], self._budget(sampling, self.critic_max_new_tokens))
+        for t, x in zip(critic_trajs, verdicts):
+            t.add_generation(x)
+        critic_rewards = [float(accepts(_text(critic, x.output_ids)) == (c > 0.5)) for x, c in zip(verdicts, outcome)]
+        return [self.group(prompt, "planner", [t.to_sample(r) for t, r in zip(plan_trajs, outcome)]),
+                self.group(prompt, "executor", [t.to_sample(r) for t, r in zip(exe_trajs, outcome)]),
+                self.group(prompt, "critic", [t.to_sample(r) for t, r in zip(critic_trajs, critic_rewards)])]
+
+
 @register_workflow("multi_turn")
 class MultiTurn(Workflow):
     """A Python tool loop: code between ``tool_open`` and ``tool_close`` runs in the sandbox.
