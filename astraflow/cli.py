@@ -107,7 +107,8 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
             policy: str = typer.Option(..., "--policy", help="the policy to train")) -> None:
     """Run one policy's trainer: consume `samples.<policy>` (group `trainer.<policy>`), train with
     GRPO/PPO, publish weights to the store and `weights`. Resumes from its last checkpoint;
-    SIGTERM checkpoints and stops."""
+    SIGTERM checkpoints and stops. With `coupling: barrier` it starts step v+1 only once every
+    other policy of the config has announced version v."""
     from astraflow.models import resolve_model
     from policies.registry import build_policy
     from topics.bus import connect
@@ -126,7 +127,9 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     service_cfg = ServiceConfig(bus=cfg.bus, run=cfg.run, model_dir=resolve_model(pc.model),
                                 run_dir=cfg.run_dir / f"trainer.{policy}", trainer=pc.trainer, steps=pc.steps,
                                 batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
-                                checkpoint_every=pc.checkpoint_every, console=False)
+                                checkpoint_every=pc.checkpoint_every, console=False,
+                                barrier_peers={q: c.steps for q, c in cfg.policies.items() if q != policy}
+                                if cfg.coupling == "barrier" and len(cfg.policies) > 1 else None)
     publisher = Publisher(WeightStore(cfg.store, cfg.run), connect(cfg.bus), TopicNames(cfg.run), policy,
                           producer_id=f"trainer.{policy}")
     service = TrainerService(service_cfg, publisher=publisher, replay=replays[0] if replays else None)
@@ -136,6 +139,101 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         publisher.close()
         service.close()
     print(json.dumps(summary), flush=True)
+
+
+@app.command()
+def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
+           policy: str = typer.Option(..., "--policy", help="the policy to retrain"),
+           publish_as: Optional[str] = typer.Option(None, "--publish-as",
+                                                    help="also publish the replayed weights as this run name"),
+           trained_log: Optional[Path] = typer.Option(None, "--trained-log",
+                                                      help="default: <run_dir>/trainer.<policy>/trained_groups.jsonl"),
+           threads: Optional[int] = typer.Option(None, "--threads",
+                                                 help="torch CPU threads (default: $OMP_NUM_THREADS, else 1, "
+                                                      "as `astraflow run` gives its trainers)")) -> None:
+    """Retrain a policy from the run's recorded `samples.<policy>` as a new consumer group
+    `replay.<policy>.<id>`, and compare each version's weight sha256 with the original's.
+    With the trainer's trained-groups log, each version trains on exactly the recorded groups
+    (bit-exact on CPU); without it, the serving stage re-serves the topic (not bit-exact).
+    Prints a table and a JSON line {"metric": "replay", "versions", "matched", "mismatched", ...};
+    exits 1 when an exact replay mismatches or cannot find its groups."""
+    import os
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from astraflow.models import resolve_model
+    from consumers.replay import (ReplayError, ReplayResult, VersionCheck, read_groups, read_trained_log,
+                                  recorded_checksums, replay_exact, replay_group, replay_reserve)
+    from topics.bus import connect
+    from topics.names import TopicNames
+    from weights.store import WeightStore
+
+    cfg = _load(config, overrides)
+    if policy not in cfg.policies:
+        typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
+        raise typer.Exit(2)
+    if publish_as is not None and (publish_as == cfg.run or not publish_as.replace(".", "").replace("-", "")
+                                   .replace("_", "").isalnum()):
+        typer.echo(f"--publish-as {publish_as!r} must be a new run name of letters, digits, '.', '_' or '-'", err=True)
+        raise typer.Exit(2)
+    threads = threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
+    if threads < 1:
+        typer.echo(f"--threads must be >= 1, got {threads}", err=True)
+        raise typer.Exit(2)
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING)
+    pc = cfg.policies[policy]
+    log_path = trained_log or cfg.run_dir / f"trainer.{policy}" / "trained_groups.jsonl"
+    if trained_log is not None and not trained_log.is_file():
+        typer.echo(f"--trained-log {trained_log} does not exist", err=True)
+        raise typer.Exit(2)
+    bus, names, group = connect(cfg.bus), TopicNames(cfg.run), replay_group(policy)
+    publisher = None
+    if publish_as is not None:
+        from weights.publisher import Publisher
+
+        new_names = TopicNames(publish_as)
+        bus.admin().create_topic(new_names.weights, partitions=1, compacted=True)
+        publisher = Publisher(WeightStore(cfg.store, publish_as), bus, new_names, policy,
+                              producer_id=f"replay.{policy}")
+    err = Console(stderr=True)
+    show = lambda v, sha: err.print(f"replayed {policy} v{v}: sha256 {sha[:16]}")  # noqa: E731
+    try:
+        if log_path.is_file():
+            try:
+                steps = read_trained_log(log_path)
+            except ReplayError as e:
+                typer.echo(str(e), err=True)
+                raise typer.Exit(2)
+            mode = "exact"
+            groups = read_groups(bus, names.samples(policy), group, {i for s in steps for i in s.group_ids})
+            trained = replay_exact(pc.trainer, resolve_model(pc.model), steps, groups, publisher=publisher,
+                                   on_version=show)
+        else:
+            err.print(f"[yellow]no trained-groups log at {log_path}: re-serving {names.samples(policy)} "
+                      f"through the serving stage (not bit-exact)[/]")
+            mode = "reserve"
+            trained = replay_reserve(bus, names, pc.trainer, resolve_model(pc.model), group, steps=pc.steps,
+                                     batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
+                                     publisher=publisher, on_version=show)
+    except ReplayError as e:
+        typer.echo(f"replay failed: {e}", err=True)
+        raise typer.Exit(1)
+    finally:
+        if publisher is not None:
+            publisher.close()
+    recorded = recorded_checksums(bus, names, policy, WeightStore(cfg.store, cfg.run), versions=len(trained))
+    result = ReplayResult(mode, group, [VersionCheck(v, n, sha, recorded.get(v)) for v, n, sha in trained])
+    table = Table("version", "groups", "replayed sha256", "original sha256", "",
+                  title=f"replay of {cfg.run}/{policy} ({mode}, group {group})")
+    for c in result.checks:
+        table.add_row(str(c.version), str(c.groups), c.sha256[:16], (c.recorded or "-")[:16], c.status)
+    Console().print(table)
+    print(json.dumps(result.summary()), flush=True)
+    if mode == "exact" and (result.mismatched or not result.checks):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -29,6 +29,7 @@ from topics.bus import connect
 from topics.names import TopicNames
 from trainer.checkpoint import load_latest, save_checkpoint
 from trainer.config import TrainerConfig
+from trainer.coupling import VersionBarrier
 from trainer.loop import Trainer, WeightPublisher
 from trainer.metrics import MetricsSink
 
@@ -41,7 +42,9 @@ class ServiceConfig:
     """How the trainer process runs (sizes in groups/samples, times in seconds).
 
     ``steps``: stop once the trainer reaches this version. ``idle_exit_s``: also
-    stop after this long without data (None: wait forever). ``checkpoint_every``:
+    stop after this long without data (None: wait forever). ``barrier_peers``:
+    lockstep coupling with these policies (peer -> its ``steps``; see
+    :class:`trainer.coupling.VersionBarrier`); None: independent. ``checkpoint_every``:
     steps between checkpoints. ``keep_checkpoints``: complete checkpoints kept.
     """
 
@@ -51,6 +54,7 @@ class ServiceConfig:
     run_dir: Path
     trainer: TrainerConfig
     steps: int = 100
+    barrier_peers: dict[str, int] | None = None
     batch_groups: int | None = 16
     batch_samples: int | None = None
     max_staleness: int = 8
@@ -96,6 +100,7 @@ class TrainerService:
         self.metrics = MetricsSink(f"trainer.{policy}", policy, producer=self.producer, topic=self.names.metrics,
                                    console=cfg.console, jsonl_path=self.run_dir / "metrics.jsonl",
                                    tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
+        self.barrier = VersionBarrier(self.bus, self.names, cfg.barrier_peers) if cfg.barrier_peers else None
         self._pending: list[dict[str, Any]] = []
         self._resume()
 
@@ -145,6 +150,9 @@ class TrainerService:
         steps_run, last_data = 0, time.monotonic()
         try:
             while self.trainer.version < cfg.steps and not (stop is not None and stop.is_set()):
+                barrier_s = self.barrier.wait(self.trainer.version, stop) if self.barrier is not None else 0.0
+                if barrier_s is None:
+                    break
                 batch = self.serving.next_batch(self.trainer.version, timeout_s=cfg.poll_timeout_s)
                 if batch is None:
                     if cfg.idle_exit_s is not None and time.monotonic() - last_data > cfg.idle_exit_s:
@@ -153,7 +161,7 @@ class TrainerService:
                 last_data = time.monotonic()
                 fresh = batch.groups[: len(batch.groups) - batch.replayed]
                 metrics = self.trainer.train_step(batch.groups, wait_s=batch.wait_s)
-                metrics.update(replayed=batch.replayed, dropped_stale=batch.dropped_stale,
+                metrics.update(barrier_wait_s=barrier_s, replayed=batch.replayed, dropped_stale=batch.dropped_stale,
                                duplicates=batch.duplicates, rejected=batch.rejected,
                                dropped_stale_total=self.serving.total_dropped_stale)
                 self.metrics.emit(self.trainer.version, metrics)
@@ -172,6 +180,8 @@ class TrainerService:
                 "wall_s": time.perf_counter() - start}
 
     def close(self) -> None:
-        """Leave the consumer group and flush the producer."""
+        """Leave the consumer group, stop reading announcements and flush the producer."""
+        if self.barrier is not None:
+            self.barrier.close()
         self.consumer.close()
         self.producer.close()
