@@ -145,7 +145,7 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
            policy: str = typer.Option(..., "--policy", help="the policy to retrain"),
            publish_as: Optional[str] = typer.Option(None, "--publish-as",
-                                                    help="also publish the replayed weights as this run name"),
+                                                    help="also publish the replayed weights as this new run name"),
            trained_log: Optional[Path] = typer.Option(None, "--trained-log",
                                                       help="default: <run_dir>/trainer.<policy>/trained_groups.jsonl"),
            threads: Optional[int] = typer.Option(None, "--threads",
@@ -159,87 +159,50 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     exits 1 when an exact replay mismatches or cannot find its groups."""
     import os
 
-    import torch
-    from rich.console import Console
-    from rich.table import Table
-
-    from astraflow.models import resolve_model
-    from consumers.replay import (ReplayError, ReplayResult, VersionCheck, read_groups, read_trained_log,
-                                  recorded_checksums, replay_exact, replay_group, replay_reserve)
-    from topics.bus import connect
-    from topics.names import TopicNames
-    from weights.store import WeightStore
-
     cfg = _load(config, overrides)
     if policy not in cfg.policies:
         typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
         raise typer.Exit(2)
-    if publish_as is not None and (publish_as == cfg.run or not publish_as.replace(".", "").replace("-", "")
-                                   .replace("_", "").isalnum()):
-        typer.echo(f"--publish-as {publish_as!r} must be a new run name of letters, digits, '.', '_' or '-'", err=True)
-        raise typer.Exit(2)
-    threads = threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
-    if threads < 1:
-        typer.echo(f"--threads must be >= 1, got {threads}", err=True)
-        raise typer.Exit(2)
-    torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.WARNING)
-    pc = cfg.policies[policy]
-    log_path = trained_log or cfg.run_dir / f"trainer.{policy}" / "trained_groups.jsonl"
     if trained_log is not None and not trained_log.is_file():
         typer.echo(f"--trained-log {trained_log} does not exist", err=True)
         raise typer.Exit(2)
-    bus, names, group = connect(cfg.bus), TopicNames(cfg.run), replay_group(policy)
-    publisher = None
-    if publish_as is not None:
-        from weights.publisher import Publisher
+    threads = threads if threads is not None else int(os.environ.get("OMP_NUM_THREADS") or 1)
+    if threads < 1:
+        typer.echo(f"--threads must be >= 1, got {threads}", err=True)
+        raise typer.Exit(2)
+    import torch
+    from rich.console import Console
+    from rich.table import Table
 
-        new_names = TopicNames(publish_as)
-        bus.admin().create_topic(new_names.weights, partitions=1, compacted=True)
-        publisher = Publisher(WeightStore(cfg.store, publish_as), bus, new_names, policy,
-                              producer_id=f"replay.{policy}")
+    from consumers.replay import ReplayError, replay_run
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     err = Console(stderr=True)
-    show = lambda v, sha: err.print(f"replayed {policy} v{v}: sha256 {sha[:16]}")  # noqa: E731
     try:
-        if log_path.is_file():
-            try:
-                steps = read_trained_log(log_path)
-            except ReplayError as e:
-                typer.echo(str(e), err=True)
-                raise typer.Exit(2)
-            mode = "exact"
-            groups = read_groups(bus, names.samples(policy), group, {i for s in steps for i in s.group_ids})
-            trained = replay_exact(pc.trainer, resolve_model(pc.model), steps, groups, publisher=publisher,
-                                   on_version=show)
-        else:
-            err.print(f"[yellow]no trained-groups log at {log_path}: re-serving {names.samples(policy)} "
-                      f"through the serving stage (not bit-exact)[/]")
-            mode = "reserve"
-            trained = replay_reserve(bus, names, pc.trainer, resolve_model(pc.model), group, steps=pc.steps,
-                                     batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
-                                     publisher=publisher, on_version=show)
+        result = replay_run(cfg, policy, publish_as=publish_as, trained_log=trained_log,
+                            on_version=lambda v, sha: err.print(f"replayed {policy} v{v}: sha256 {sha[:16]}"))
+    except ValueError as e:  # a bad --publish-as, or a malformed trained-groups log
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2)
     except ReplayError as e:
         typer.echo(f"replay failed: {e}", err=True)
         raise typer.Exit(1)
-    finally:
-        if publisher is not None:
-            publisher.close()
-    recorded = recorded_checksums(bus, names, policy, WeightStore(cfg.store, cfg.run), versions=len(trained))
-    result = ReplayResult(mode, group, [VersionCheck(v, n, sha, recorded.get(v)) for v, n, sha in trained])
     table = Table("version", "groups", "replayed sha256", "original sha256", "",
-                  title=f"replay of {cfg.run}/{policy} ({mode}, group {group})")
+                  title=f"replay of {cfg.run}/{policy} ({result.mode}, group {result.group})")
     for c in result.checks:
         table.add_row(str(c.version), str(c.groups), c.sha256[:16], (c.recorded or "-")[:16], c.status)
     Console().print(table)
     print(json.dumps(result.summary()), flush=True)
-    if mode == "exact" and (result.mismatched or not result.checks):
+    if result.mode == "exact" and not result.ok:
         raise typer.Exit(1)
 
 
 @app.command()
 def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
            watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C"),
-           seconds: float = typer.Option(3.0, "--seconds", help="seconds of metrics to read before printing")) -> None:
+           seconds: float = typer.Option(3.0, "--seconds", help="seconds of metrics to read before printing"),
+           as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables")) -> None:
     """Show a run's state: per consumer group the lag, per policy the version and reward, and the
     throughput. Reads `metrics` as its own consumer group; never disturbs the run."""
     import time
@@ -256,6 +219,10 @@ def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         monitor.poll(0.5)
+    if as_json:
+        print(json.dumps(monitor.snapshot()), flush=True)
+        monitor.close()
+        return
     if not watch:
         Console().print(monitor.table())
         monitor.close()

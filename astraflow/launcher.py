@@ -9,6 +9,10 @@ The run ends when every trainer has produced its ``steps`` versions (or after
 ``max_wall_s``, or on Ctrl-C). Components are then stopped with SIGTERM, which
 they handle by finishing their current unit of work and committing, so nothing
 is lost. A component that dies is reported with the tail of its log.
+
+Outputs in the run directory: ``metrics.jsonl`` (every Metric record),
+``reward_curve.png``, ``components.json`` (each component's exit code) and
+``logs/<component>.log``.
 """
 from __future__ import annotations
 
@@ -208,6 +212,8 @@ class Launcher:
 
     def _write_outputs(self, monitor: RunMonitor, wall_s: float) -> dict:
         run_dir = self.cfg.run_dir
+        codes = {c.name: (c.proc.returncode if c.proc else None) for c in self.components}
+        (run_dir / "components.json").write_text(json.dumps(codes, indent=1))
         with open(run_dir / "metrics.jsonl", "w") as f:
             for m in monitor.records:
                 f.write(json.dumps(m.model_dump(mode="json")) + "\n")

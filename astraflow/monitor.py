@@ -5,10 +5,10 @@ Used by the launcher's live view and by ``astraflow status``. It reads the
 """
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass, field
 
+from rich.console import Group
 from rich.table import Table
 
 from topics.bus import Bus, BusError
@@ -65,7 +65,7 @@ class RunMonitor:
         self.components: dict[str, Metric] = {}
         self.records: list[Metric] = []
         self.rejected = 0
-        self._rollout_tokens: list[tuple[float, float]] = []  # (ts, cumulative generated tokens) from RaaS
+        self._rollout_tokens: dict[str, list[tuple[float, float]]] = {}  # worker -> [(ts, tokens_total)]
 
     def poll(self, timeout_s: float = 0.2) -> list[Metric]:
         """Read new metrics and update the views; returns them (invalid records are counted, not raised)."""
@@ -78,6 +78,8 @@ class RunMonitor:
                 continue
             out.append(m)
             self.components[m.component] = m
+            if m.kind == "raas" and "tokens_total" in m.values:
+                self._rollout_tokens.setdefault(m.component, []).append((m.ts, m.values["tokens_total"]))
             if m.kind == "trainer" and m.policy in self.views:
                 v = self.views[m.policy]
                 v.step = m.step or v.step
@@ -91,30 +93,41 @@ class RunMonitor:
         self.records += out
         return out
 
-    def lags(self) -> dict[str, int]:
-        """Per consumer group and topic, the total lag (records) from committed offsets."""
+    def lags(self) -> dict[tuple[str, str], int]:
+        """Per (consumer group, topic), the total lag in records from committed offsets (-1: unknown)."""
         pairs = [(raas_group(self.workflow), self.names.prompts)]
         for p in self.policies:
             pairs += [(filter_group(p), self.names.trajectories(p)), (trainer_group(p), self.names.samples(p))]
         out = {}
         for group, topic in pairs:
             try:
-                out[f"{group} on {topic}"] = sum(self.admin.group_lag(group, topic).values())
+                out[(group, topic)] = sum(self.admin.group_lag(group, topic).values())
             except BusError:
-                out[f"{group} on {topic}"] = -1
+                out[(group, topic)] = -1
         return out
 
-    def rollout_throughput(self) -> float:
-        """Generated tokens per second across RaaS workers, from their ``tokens_total`` counters."""
-        total = sum(m.values.get("tokens_total", 0.0) for c, m in self.components.items() if m.kind == "raas")
-        now = time.time()
-        self._rollout_tokens.append((now, total))
-        self._rollout_tokens = [(t, n) for t, n in self._rollout_tokens if now - t <= 30]
-        t0, n0 = self._rollout_tokens[0]
-        return (total - n0) / (now - t0) if now > t0 else 0.0
+    def rollout_throughput(self, window_s: float = 30.0) -> float:
+        """Generated tokens per second across RaaS workers over the last ``window_s`` seconds of their
+        metrics (from the ``tokens_total`` counters and the records' timestamps)."""
+        rate = 0.0
+        for series in self._rollout_tokens.values():
+            recent = [(t, n) for t, n in series if series[-1][0] - t <= window_s]
+            (t0, n0), (t1, n1) = recent[0], recent[-1]
+            rate += (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+        return rate
 
-    def table(self, title: str = "") -> Table:
-        """A rich table: per policy step, version, reward, KL, throughput, staleness; then the lags."""
+    def snapshot(self) -> dict:
+        """The monitor's figures as plain data (``astraflow status --json``)."""
+        return {
+            "policies": {p: {"step": v.step, "version": v.version, "reward": v.reward, "kl": v.kl,
+                             "train_tokens_per_s": v.tokens_per_s, "staleness": v.staleness}
+                         for p, v in self.views.items()},
+            "rollout_tokens_per_s": self.rollout_throughput(),
+            "lag": {f"{group} {topic}": n for (group, topic), n in self.lags().items()},
+        }
+
+    def table(self, title: str = "") -> Group:
+        """Rich tables: per policy step, version, reward, KL, throughput, staleness; then lag per group."""
         t = Table(title=title or f"run {self.names.run}")
         for col in ("policy", "step", "version", "reward", "KL", "train tok/s", "staleness"):
             t.add_column(col, justify="right" if col != "policy" else "left")
@@ -122,11 +135,12 @@ class RunMonitor:
         for p, v in self.views.items():
             t.add_row(p, str(v.step), str(v.version), fmt(v.reward), fmt(v.kl, "{:.4f}"),
                       fmt(v.tokens_per_s, "{:.0f}"), fmt(v.staleness, "{:.2f}"))
-        t.add_section()
-        t.add_row("rollout tok/s", f"{self.rollout_throughput():.0f}", "", "", "", "", "")
-        for name, lag in self.lags().items():
-            t.add_row(f"lag {name}", str(lag), "", "", "", "", "")
-        return t
+        lag = Table(title=f"rollout {self.rollout_throughput():.0f} tok/s; consumer-group lag")
+        for col in ("consumer group", "topic", "lag"):
+            lag.add_column(col, justify="right" if col == "lag" else "left")
+        for (group, topic), n in self.lags().items():
+            lag.add_row(group, topic, "?" if n < 0 else str(n))
+        return Group(t, lag)
 
     def close(self) -> None:
         self.consumer.close()

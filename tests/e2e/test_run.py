@@ -1,0 +1,81 @@
+"""`astraflow run` end to end: the CPU demo learns, status reads a live run, GSM8K through Kafka."""
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from topics.bus import connect
+from topics.names import TopicNames
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def astraflow(*args: str, timeout: float = 660) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "astraflow", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, COLUMNS="160"))
+
+
+def summary_of(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_arith_tiny_learns_within_ten_minutes(tmp_path, bus_url):
+    run = f"arith{uuid.uuid4().hex[:8]}"
+    proc = astraflow("run", "examples/arith-tiny.yaml", f"run={run}", f"run_dir={tmp_path}", f"bus={bus_url}")
+    s = summary_of(proc)
+    assert s["run"] == run and s["versions"] == {"actor": s["steps"]} and s["steps"] >= 100
+    assert s["reward_last"] - s["reward_first"] >= 0.2, s
+    assert s["wall_s"] <= 600
+    assert (tmp_path / "reward_curve.png").stat().st_size > 1000
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= s["steps"]
+    assert set(json.loads((tmp_path / "components.json").read_text()).values()) == {0}
+
+
+@pytest.mark.slow
+def test_status_shows_throughput_and_true_lag_during_a_run(tmp_path):
+    run = f"status{uuid.uuid4().hex[:8]}"
+    args = ["examples/arith-tiny.yaml", f"run={run}", f"run_dir={tmp_path}", "policies.actor.steps=40"]
+    launcher = subprocess.Popen([sys.executable, "-m", "astraflow", "run", *args], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        live = None
+        while time.monotonic() < deadline and launcher.poll() is None:
+            out = astraflow("status", *args, "--json", "--seconds", "1", timeout=120)
+            live = json.loads(out.stdout.strip().splitlines()[-1])
+            if live["policies"]["actor"]["step"] >= 5 and live["rollout_tokens_per_s"] > 0:
+                break
+            time.sleep(2)
+        assert live["policies"]["actor"]["train_tokens_per_s"] > 0, live
+        assert live["rollout_tokens_per_s"] > 0, live
+        assert all(n >= 0 for n in live["lag"].values()), live
+    finally:
+        out, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0
+    # After the run, the reported lag is exactly end offset minus committed offset, per group.
+    final = json.loads(astraflow("status", *args, "--json", "--seconds", "1").stdout.strip().splitlines()[-1])
+    admin = connect(f"local://{tmp_path}/bus").admin()
+    names = TopicNames(run)
+    for group, topic in [("raas.single_turn", names.prompts), ("trainer.actor", names.samples("actor")),
+                         ("filter.actor", names.trajectories("actor"))]:
+        ends, committed = admin.end_offsets(topic), admin.group_offsets(group, topic)
+        assert final["lag"][f"{group} {topic}"] == sum(e - (committed[p] or 0) for p, e in ends.items())
+    assert final["policies"]["actor"]["version"] == 40
+
+
+@pytest.mark.slow
+def test_gsm8k_tiny_through_kafka(tmp_path, kafka_url):
+    run = f"gsm8k{uuid.uuid4().hex[:8]}"
+    s = summary_of(astraflow("run", "examples/gsm8k-tiny.yaml", f"run={run}", f"run_dir={tmp_path}",
+                             f"bus={kafka_url}"))
+    assert s["versions"]["actor"] >= 3
+    assert set(json.loads((tmp_path / "components.json").read_text()).values()) == {0}
+    prompts = connect(kafka_url).admin().end_offsets(TopicNames(run).prompts)
+    assert sum(prompts.values()) > 0
