@@ -209,7 +209,9 @@ class WeightAnnouncement(Message):
     kind: Literal["delta", "full"]
     uri: str = Field(min_length=1)
     bytes: int = Field(ge=0, description="size of the stored object, bytes")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the resulting full parameter bytes")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$",
+                        description="checksum of the resulting full parameters: weights.codec.state_sha256 "
+                                    "(sha256 over names, dtypes, shapes and each tensor's xxh3-128)")
     sparsity: float = Field(ge=0.0, le=1.0, description="fraction of elements unchanged vs base_version")
     reason: str = ""
     created_ts: float = Field(default_factory=time.time)
