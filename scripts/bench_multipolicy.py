@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Multi-policy co-training: the dataflow pipeline vs the sequential multi-agent loop.
+
+Workload (both sides): ``solve_verify_retry`` on the synthetic ``arith`` task,
+two policies (solver, verifier) that are both the built-in tiny model, B
+prompts x G samples per iteration, GRPO with TIS correction (the trainer config
+of ``examples/solver-verifier-tiny.yaml``), N iterations (trainer versions).
+
+(a) Sequential multi-agent loop, one process with 2 torch threads (the
+    trainer-centric baseline of the AstraFlow paper): per iteration, roll out
+    the whole workflow for B prompts, train the solver, then the verifier, then
+    load both new weights into the rollout engines.
+(b) Dataflow pipeline: ``astraflow run examples/solver-verifier-tiny.yaml``
+    with the same B, G, N: acquisition, one RaaS worker, one filter processor
+    and one trainer per policy as separate processes with one thread each
+    (OMP_NUM_THREADS=1), meeting on the embedded bus and the local weight store.
+
+Steady-state seconds per iteration, excluding start-up and model loading: an
+iteration ends when both policies have reached version v (sequential: both
+trained and synced; pipeline: the later of the two trainers' Metric timestamps
+for step v). Sequential: s/iter = (end(N) - end(1)) / (N - 1). Pipeline: over
+the window W = [end(K), end(N)] (K = 2, after start-up), s/iter = |W| /
+min(N - K, prompts rolled out in W / B), so groups rolled out ahead before the
+window (bounded by backpressure to about one iteration) do not make the
+pipeline look faster than its slowest stage (rollouts counted by their
+``outcomes`` timestamps).
+
+Threads: the brief is "equal cores" (2). On a machine shared with other jobs,
+2 intra-op threads can be several times slower than 1 for this tiny model
+(OpenMP threads wait for each other), so the sequential loop is measured with
+1 and with 2 threads and the faster one is the baseline.
+
+Usage: ``scripts/bench_multipolicy.py [--quick] [--repeats R]``. Prints each
+measurement, min/median/max over repeats, and ends with one JSON line
+``{"metric": "multipolicy_s_per_iter", "value": pipeline, "baseline": sequential, "ratio": baseline/value}``
+(medians over repeats).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CONFIG = ROOT / "examples" / "solver-verifier-tiny.yaml"
+
+
+def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: int) -> float:
+    """The sequential loop's steady-state seconds per iteration (see the module docstring)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from astraflow.config import load_config
+    from astraflow.models import resolve_model
+    from producers.engines import HFEngine, SamplingParams
+    from producers.sources import load_source
+    from producers.workflows import get_workflow
+    from trainer.loop import Trainer
+
+    cfg = load_config(CONFIG)
+    policies = ("solver", "verifier")
+    engines = {p: HFEngine(resolve_model(cfg.policies[p].model)) for p in policies}
+    trainers = {p: Trainer(cfg.policies[p].trainer, resolve_model(cfg.policies[p].model)) for p in policies}
+    workflow = get_workflow(cfg.workflow.name, policies=cfg.workflow.roles, **cfg.workflow.options)
+    sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
+                              top_p=cfg.sampling.top_p, seed=None)
+    source = load_source("arith", seed=seed)
+    ends = []
+    for it in range(iters):
+        groups = defaultdict(list)
+        for i in range(it * batch, (it + 1) * batch):
+            prompt = source[i].model_copy(update={"n_samples": g})
+            for group in workflow.run(prompt, engines, sampling):
+                groups[group.policy].append(group)
+        for p in policies:  # train each policy in turn
+            trainers[p].train_step(groups[p])
+        for p in policies:  # sync the rollout engines
+            engines[p].load_weights(trainers[p].publish_state(), trainers[p].version)
+        ends.append(time.perf_counter())
+    return (ends[-1] - ends[0]) / (iters - 1)
+
+
+def pipeline_s_per_iter(iters: int, batch: int, g: int, timeout_s: float, first: int = 2) -> tuple[float, float]:
+    """The pipeline's steady-state seconds per iteration and the run's whole wall time (seconds).
+
+    Raises:
+        RuntimeError: the run failed or did not reach version ``iters`` for both policies.
+    """
+    run = f"bench-mp-{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory(prefix="bench-mp-") as tmp:
+        run_dir = Path(tmp) / run
+        overrides = [f"run={run}", f"run_dir={run_dir}", f"data.n_samples={g}", f"raas.batch_prompts={batch}",
+                     f"raas.max_inflight_groups={2 * batch}", "data.epochs=1"]  # about one iteration ahead
+        for p in ("solver", "verifier"):
+            overrides += [f"policies.{p}.steps={iters}", f"policies.{p}.batch_groups={batch}",
+                          f"policies.{p}.checkpoint_every=1"]  # commit every step: lag counts only untrained groups
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "astraflow", "run", str(CONFIG), *overrides], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=timeout_s)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"astraflow run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        ts: dict[str, dict[int, float]] = defaultdict(dict)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            m = json.loads(line)
+            if m.get("kind") == "trainer" and m.get("step") is not None:
+                ts[m["policy"]][m["step"]] = m["ts"]
+        rolled = rollout_times(f"local://{run_dir / 'bus'}", run, "solver")
+    missing = [(p, v) for p in ("solver", "verifier") for v in (first, iters) if v not in ts[p]]
+    if missing:
+        raise RuntimeError(f"pipeline run lacks trainer metrics for (policy, version) {missing}")
+    start_w, end_w = (max(ts[p][v] for p in ("solver", "verifier")) for v in (first, iters))
+    rolled_iters = sum(start_w < t <= end_w for t in rolled) / batch
+    print(f"    pipeline window: {iters - first} versions trained, {rolled_iters:.2f} iterations rolled out "
+          f"in {end_w - start_w:.2f} s", flush=True)
+    return (end_w - start_w) / min(iters - first, rolled_iters), wall
+
+
+def rollout_times(bus_url: str, run: str, policy: str) -> list[float]:
+    """Timestamps (seconds since the epoch) of ``policy``'s rollouts on the run's ``outcomes`` topic."""
+    from topics.bus import TopicPartition, connect
+    from topics.codec import decode
+    from topics.names import TopicNames
+    from topics.schemas import RolloutOutcome
+
+    bus = connect(bus_url)
+    topic = TopicNames(run).outcomes
+    ends = bus.admin().end_offsets(topic)
+    reader = bus.consumer(None)
+    reader.assign([TopicPartition(topic, p) for p in ends])
+    reader.seek_to_beginning()
+    seen, out, deadline = defaultdict(int), [], time.monotonic() + 30
+    while any(seen[p] < ends[p] for p in ends) and time.monotonic() < deadline:
+        for r in reader.poll(500, 0.5):
+            seen[r.partition] = r.offset + 1
+            o = decode(r.value, RolloutOutcome)
+            if o.policy == policy:
+                out.append(o.ts)
+    reader.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="8 iterations of 4 prompts x G=4 (default 14 of 8 x 8)")
+    ap.add_argument("--repeats", type=int, default=1, help="measurements per mode (alternating)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                    help="torch thread counts tried for the sequential loop; the fastest is the baseline")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="limit of one pipeline run")
+    a = ap.parse_args()
+    iters, batch, g = (8, 4, 4) if a.quick else (14, 8, 8)
+    print(f"workload: solve_verify_retry on arith, tiny solver + tiny verifier, {iters} iterations of "
+          f"{batch} prompts x G={g}; {os.cpu_count()} cores; sequential loop {a.threads} threads (best), "
+          f"pipeline 1 thread per process", flush=True)
+    seq, pipe = [], []
+    for r in range(a.repeats):
+        tried = {}
+        for t in a.threads:
+            tried[t] = sequential_s_per_iter(iters, batch, g, t, seed=r)
+            print(f"[{r}] sequential multi-agent loop, {t} thread(s): {tried[t]:.3f} s/iter", flush=True)
+        seq.append(min(tried.values()))
+        value, wall = pipeline_s_per_iter(iters, batch, g, a.timeout_s)
+        pipe.append(value)
+        print(f"[{r}] dataflow pipeline:            {value:.3f} s/iter (whole run incl. start-up {wall:.1f} s)",
+              flush=True)
+    for name, xs in (("sequential", seq), ("pipeline", pipe)):
+        print(f"{name}: min {min(xs):.3f}  median {statistics.median(xs):.3f}  max {max(xs):.3f} s/iter "
+              f"over {len(xs)} run(s)")
+    value, baseline = statistics.median(pipe), statistics.median(seq)
+    print(json.dumps({"metric": "multipolicy_s_per_iter", "value": round(value, 4), "baseline": round(baseline, 4),
+                      "ratio": round(baseline / value, 3)}))
+
+
+if __name__ == "__main__":
+    main()
