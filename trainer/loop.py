@@ -55,7 +55,6 @@ class Trainer:
         self.optimizer = self.backend.optimizer
         self.publisher = publisher
         self.version = 0
-        self._generator = torch.Generator().manual_seed(config.seed)
 
     # -- state ------------------------------------------------------------
     def restore(self, ckpt: Checkpoint) -> None:
@@ -126,8 +125,10 @@ class Trainer:
         micro = cfg.micro_batch_size or mini
         sums: Counter = Counter()
         is_min, is_max = float("inf"), float("-inf")
+        # The shuffle depends only on (seed, version): a resumed or replayed trainer shuffles as the original did.
+        generator = torch.Generator().manual_seed((cfg.seed << 32) + self.version)
         for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(n, generator=self._generator).to(self.device)
+            order = torch.randperm(n, generator=generator).to(self.device)
             for m_start in range(0, n, mini):
                 m_idx = order[m_start: m_start + mini]
                 n_tokens = float(full.loss_mask[m_idx].sum().clamp(min=1.0))
