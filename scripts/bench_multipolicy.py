@@ -11,7 +11,8 @@ of ``examples/solver-verifier-tiny.yaml``), N iterations (trainer versions).
     the whole workflow for B prompts, train the solver, then the verifier, then
     load both new weights into the rollout engines.
 (b) Dataflow pipeline: ``astraflow run examples/solver-verifier-tiny.yaml``
-    with the same B, G, N: acquisition, one RaaS worker, one filter processor
+    with the same B, G, N: acquisition, two RaaS workers (rollout is the
+    slowest stage; ``--raas-workers``), one filter processor
     and one trainer per policy as separate processes with one thread each
     (OMP_NUM_THREADS=1), meeting on the embedded bus and the local weight store.
 
@@ -21,7 +22,7 @@ trained and synced; pipeline: the later of the two trainers' Metric timestamps
 for step v). Sequential: s/iter = (end(N) - end(1)) / (N - 1). Pipeline: over
 the window W = [end(K), end(N)] (K = 2, after start-up), s/iter = |W| /
 min(N - K, prompts rolled out in W / B), so groups rolled out ahead before the
-window (bounded by backpressure to about one iteration) do not make the
+window (bounded by backpressure to a few iterations) do not make the
 pipeline look faster than its slowest stage (rollouts counted by their
 ``outcomes`` timestamps).
 
@@ -52,6 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "examples" / "solver-verifier-tiny.yaml"
+CHECKPOINT_EVERY = 4  # trainer steps; RaaS runs at most ~(2 + this) / 2 iterations ahead (backpressure on lag)
 
 
 def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: int) -> float:
@@ -89,7 +91,8 @@ def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: in
     return (ends[-1] - ends[0]) / (iters - 1)
 
 
-def pipeline_s_per_iter(iters: int, batch: int, g: int, timeout_s: float, first: int = 2) -> tuple[float, float]:
+def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s: float,
+                        first: int = 2) -> tuple[float, float]:
     """The pipeline's steady-state seconds per iteration and the run's whole wall time (seconds).
 
     Raises:
@@ -99,10 +102,10 @@ def pipeline_s_per_iter(iters: int, batch: int, g: int, timeout_s: float, first:
     with tempfile.TemporaryDirectory(prefix="bench-mp-") as tmp:
         run_dir = Path(tmp) / run
         overrides = [f"run={run}", f"run_dir={run_dir}", f"data.n_samples={g}", f"raas.batch_prompts={batch}",
-                     f"raas.max_inflight_groups={2 * batch}", "data.epochs=1"]  # about one iteration ahead
+                     f"raas.max_inflight_groups={2 * batch}", "data.epochs=1", f"raas.workers={workers}"]
         for p in ("solver", "verifier"):
             overrides += [f"policies.{p}.steps={iters}", f"policies.{p}.batch_groups={batch}",
-                          f"policies.{p}.checkpoint_every=1"]  # commit every step: lag counts only untrained groups
+                          f"policies.{p}.checkpoint_every={CHECKPOINT_EVERY}"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "astraflow", "run", str(CONFIG), *overrides], cwd=ROOT,
@@ -152,16 +155,17 @@ def rollout_times(bus_url: str, run: str, policy: str) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="8 iterations of 4 prompts x G=4 (default 14 of 8 x 8)")
+    ap.add_argument("--quick", action="store_true", help="8 iterations of 8 prompts x G=8 (default 16 of 16 x 8)")
     ap.add_argument("--repeats", type=int, default=1, help="measurements per mode (alternating)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="torch thread counts tried for the sequential loop; the fastest is the baseline")
+    ap.add_argument("--raas-workers", type=int, default=2, help="RaaS worker processes of the pipeline")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="limit of one pipeline run")
     a = ap.parse_args()
-    iters, batch, g = (8, 4, 4) if a.quick else (14, 8, 8)
+    iters, batch, g = (8, 8, 8) if a.quick else (16, 16, 8)
     print(f"workload: solve_verify_retry on arith, tiny solver + tiny verifier, {iters} iterations of "
           f"{batch} prompts x G={g}; {os.cpu_count()} cores; sequential loop {a.threads} threads (best), "
-          f"pipeline 1 thread per process", flush=True)
+          f"pipeline {a.raas_workers} RaaS worker(s), 1 thread per process", flush=True)
     seq, pipe = [], []
     for r in range(a.repeats):
         tried = {}
@@ -169,7 +173,7 @@ def main() -> None:
             tried[t] = sequential_s_per_iter(iters, batch, g, t, seed=r)
             print(f"[{r}] sequential multi-agent loop, {t} thread(s): {tried[t]:.3f} s/iter", flush=True)
         seq.append(min(tried.values()))
-        value, wall = pipeline_s_per_iter(iters, batch, g, a.timeout_s)
+        value, wall = pipeline_s_per_iter(iters, batch, g, a.raas_workers, a.timeout_s)
         pipe.append(value)
         print(f"[{r}] dataflow pipeline:            {value:.3f} s/iter (whole run incl. start-up {wall:.1f} s)",
               flush=True)
