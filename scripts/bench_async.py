@@ -26,9 +26,11 @@ the ``ts`` of the trainer's per-step Metric records in ``<run_dir>/metrics.jsonl
 Rounds alternate sync, pipeline, sync, ... so that load from other processes on
 the machine hits both arms alike; the median of each arm is reported.
 
-By default the sync arm runs with both 1 and 2 torch threads (``--sync-threads``)
-and the faster is the baseline: on a tiny model, a second intra-op thread often
-costs more than it gains, and the baseline should not lose by a bad thread count.
+The sync arm runs with one torch thread by default (``--sync-threads 1,2``
+tries both and keeps the faster as the baseline): on the tiny model a second
+intra-op thread gains little, and on a loaded machine OpenMP's spinning makes
+it many times slower (measured 275 s against 16 s), which would flatter the
+pipeline. The pipeline's two busy processes (RaaS and trainer) get the two cores.
 
 Ends with one JSON line ``{"metric": "async_speedup", "value": pipeline_s,
 "baseline": sync_s, "ratio": sync_s / pipeline_s, ...}`` (seconds for the timed
