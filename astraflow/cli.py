@@ -33,9 +33,14 @@ def _load(config: Path, overrides: Optional[list[str]]):
         raise typer.Exit(2)
 
 
-def _component_setup(name: str) -> threading.Event:
-    """Logging for a component process, and a stop event set by SIGTERM / SIGINT."""
+def _component_setup(name: str, cfg) -> threading.Event:
+    """Logging for a component process, the run's topics (created if missing, so components can start
+    in any order on any machine), and a stop event set by SIGTERM / SIGINT."""
+    from topics.bus import connect
+    from topics.names import TopicNames
+
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
+    connect(cfg.bus).admin().ensure_run_topics(TopicNames(cfg.run), list(cfg.policies))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -66,7 +71,7 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     from producers.acquisition import acquire_run
 
     cfg = _load(config, overrides)
-    stop = _component_setup("acquire")
+    stop = _component_setup("acquire", cfg)
     sent = acquire_run(cfg, stop)
     logging.getLogger("astraflow").info("acquisition done: %d prompts sent", sent)
 
@@ -79,7 +84,7 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from producers.raas import RaasWorker
 
     cfg = _load(config, overrides)
-    stop = _component_setup(f"raas-{worker_id}")
+    stop = _component_setup(f"raas-{worker_id}", cfg)
     RaasWorker(cfg, worker_id).run(stop)
 
 
@@ -97,7 +102,7 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     if policy not in cfg.policies:
         typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
         raise typer.Exit(2)
-    stop = _component_setup(f"policy.{policy}")
+    stop = _component_setup(f"policy.{policy}", cfg)
     filters = build_chain(cfg.policies[policy].filters, Filter)
     FilterProcessor(connect(cfg.bus), cfg.run, policy, filters).run(stop)
 
@@ -122,7 +127,7 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
         raise typer.Exit(2)
     pc = cfg.policies[policy]
-    stop = _component_setup(f"trainer.{policy}")
+    stop = _component_setup(f"trainer.{policy}", cfg)
     replays = [build_policy(spec) for spec in pc.serving if spec.get("name") == "replay"]
     service_cfg = ServiceConfig(bus=cfg.bus, run=cfg.run, model_dir=resolve_model(pc.model),
                                 run_dir=cfg.run_dir / f"trainer.{policy}", trainer=pc.trainer, steps=pc.steps,
@@ -297,7 +302,7 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     kwargs = dict(k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
     try:
         if live:
-            stop = _component_setup(f"eval.{policy}")
+            stop = _component_setup(f"eval.{policy}", cfg)
             LiveEvaluator(connect(cfg.bus), cfg.store, cfg.run, policy, engine, prompts, **kwargs).run(stop)
             return
         try:
