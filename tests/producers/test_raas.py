@@ -71,15 +71,18 @@ def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_m
         while sum(bus.admin().end_offsets(topic).values()) < 4 and time.monotonic() < deadline:
             assert all(w.poll() is None for w in workers), (tmp_path / "raas-0.log").read_text()[-2000:]
             time.sleep(0.2)
-        workers[0].send_signal(signal.SIGKILL)
-        workers[0].wait()
+        # Kill a worker that is rolling out (it has written groups), mid-run.
+        victim = int(sorted(g.producer_id for g in read_all(bus, topic, 4))[0].split("-")[1])
+        survivor = 1 - victim
+        workers[victim].send_signal(signal.SIGKILL)
+        workers[victim].wait()
         deadline = time.monotonic() + 180
         while sum(bus.admin().group_lag(raas_group("single_turn"), names.prompts).values()) > 0:
             assert time.monotonic() < deadline, "prompts were not all processed"
-            assert workers[1].poll() is None, (tmp_path / "raas-1.log").read_text()[-2000:]
+            assert workers[survivor].poll() is None, (tmp_path / f"raas-{survivor}.log").read_text()[-2000:]
             time.sleep(0.5)
-        workers[1].send_signal(signal.SIGTERM)
-        assert workers[1].wait(60) == 0
+        workers[survivor].send_signal(signal.SIGTERM)
+        assert workers[survivor].wait(60) == 0
     finally:
         for w in workers:
             if w.poll() is None:
