@@ -131,26 +131,13 @@ def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s:
 
 def rollout_times(bus_url: str, run: str, policy: str) -> list[float]:
     """Timestamps (seconds since the epoch) of ``policy``'s rollouts on the run's ``outcomes`` topic."""
-    from topics.bus import TopicPartition, connect
+    from topics.bus import connect, read_topic
     from topics.codec import decode
     from topics.names import TopicNames
     from topics.schemas import RolloutOutcome
 
-    bus = connect(bus_url)
-    topic = TopicNames(run).outcomes
-    ends = bus.admin().end_offsets(topic)
-    reader = bus.consumer(None)
-    reader.assign([TopicPartition(topic, p) for p in ends])
-    reader.seek_to_beginning()
-    seen, out, deadline = defaultdict(int), [], time.monotonic() + 30
-    while any(seen[p] < ends[p] for p in ends) and time.monotonic() < deadline:
-        for r in reader.poll(500, 0.5):
-            seen[r.partition] = r.offset + 1
-            o = decode(r.value, RolloutOutcome)
-            if o.policy == policy:
-                out.append(o.ts)
-    reader.close()
-    return out
+    outcomes = (decode(r.value, RolloutOutcome) for r in read_topic(connect(bus_url), TopicNames(run).outcomes))
+    return [o.ts for o in outcomes if o.policy == policy]
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ committed offset.
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple
 
@@ -269,6 +270,33 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     def admin(self) -> Admin:
         """The admin client."""
+
+
+def read_topic(bus: Bus, topic: str, timeout_s: float = 30.0) -> list[Record]:
+    """Every record of ``topic`` up to its current end offsets, all partitions, read from the
+    beginning with no consumer group (nothing is committed), in (partition, offset) order.
+
+    Raises:
+        BusError: the topic does not exist, or its records did not arrive within ``timeout_s`` seconds.
+    """
+    ends = bus.admin().end_offsets(topic)
+    reader = bus.consumer(None)
+    try:
+        reader.seek_to_beginning()
+        reader.assign([TopicPartition(topic, p) for p in ends])
+        seen: dict[int, int] = {p: 0 for p in ends}
+        out: list[Record] = []
+        deadline = time.monotonic() + timeout_s
+        while any(seen[p] < end for p, end in ends.items()):
+            if time.monotonic() > deadline:
+                raise BusError(f"read_topic {topic}: records up to {ends} did not arrive in {timeout_s} s")
+            for r in reader.poll(500, 0.5):
+                if r.offset < ends[r.partition]:
+                    seen[r.partition] = r.offset + 1
+                    out.append(r)
+    finally:
+        reader.close()
+    return sorted(out, key=lambda r: (r.partition, r.offset))
 
 
 def connect(url: str) -> Bus:

@@ -9,9 +9,7 @@ import re
 import subprocess
 import sys
 import threading
-import time
 import uuid
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,7 @@ import torch
 from producers.engines import HFEngine, SamplingParams
 from producers.rewards import score_many
 from producers.workflows import WORKFLOWS, accepts, get_workflow, prompt_ids
-from topics.bus import TopicPartition, connect
+from topics.bus import connect, read_topic
 from topics.codec import decode, encode, headers_for
 from topics.names import TopicNames
 from topics.schemas import Prompt, TrajectoryGroup, WeightAnnouncement
@@ -164,19 +162,9 @@ def run_example(tmp_path: Path, config: str, *overrides: str, timeout_s: float =
     return summary, f"local://{tmp_path / run / 'bus'}"
 
 
-def read_topic(bus, topic: str, schema):
-    """Every record of ``topic`` (all partitions, from the beginning), decoded, in (partition, offset) order."""
-    ends = bus.admin().end_offsets(topic)
-    reader = bus.consumer(None)
-    reader.assign([TopicPartition(topic, p) for p in ends])
-    reader.seek_to_beginning()
-    seen, out, deadline = defaultdict(int), [], time.monotonic() + 30
-    while any(seen[p] < ends[p] for p in ends) and time.monotonic() < deadline:
-        for r in reader.poll(500, 0.5):
-            seen[r.partition] = r.offset + 1
-            out.append((r.partition, r.offset, decode(r.value, schema)))
-    reader.close()
-    return [m for _, _, m in sorted(out, key=lambda x: x[:2])]
+def read_decoded(bus, topic: str, schema):
+    """Every record of ``topic``, decoded, in (partition, offset) order."""
+    return [decode(r.value, schema) for r in read_topic(bus, topic)]
 
 
 @pytest.mark.slow
@@ -187,7 +175,7 @@ def test_solver_verifier_run_trains_both_policies_on_their_own_tokens(tmp_path, 
     tok = HFEngine(tiny_model_dir).tokenizer
     retry = re.compile(r"^\nVerifier: [^\n]*\nTry again: $", re.S)
     for policy in ("solver", "verifier"):
-        groups = read_topic(bus, names.samples(policy), TrajectoryGroup)
+        groups = read_decoded(bus, names.samples(policy), TrajectoryGroup)
         assert len(groups) >= 3 * 4  # at least three batches of batch_groups=4
         for g in groups:
             assert g.policy == policy and g.workflow == "solve_verify_retry"
@@ -223,7 +211,7 @@ def test_barrier_coupling_keeps_trainers_in_lockstep(tmp_path):
                                    "policies.solver.batch_groups=2", "policies.verifier.batch_groups=6",
                                    "policies.solver.steps=4", "policies.verifier.steps=4")
     assert summary["versions"] == {"solver": 4, "verifier": 4}
-    anns = read_topic(connect(bus_url), TopicNames(summary["run"]).weights, WeightAnnouncement)
+    anns = read_decoded(connect(bus_url), TopicNames(summary["run"]).weights, WeightAnnouncement)
     assert sorted({(a.policy, a.version) for a in anns}) == [(p, v) for p in ("solver", "verifier")
                                                               for v in range(1, 5)]
     announcement_order_is_lockstep(anns, {"solver": 4, "verifier": 4})
@@ -235,5 +223,5 @@ def test_plan_execute_critique_run_completes(tmp_path):
     assert summary["versions"] == {"planner": 4, "executor": 4, "critic": 4}
     bus, names = connect(bus_url), TopicNames(summary["run"])
     for policy in ("planner", "executor", "critic"):
-        groups = read_topic(bus, names.samples(policy), TrajectoryGroup)
+        groups = read_decoded(bus, names.samples(policy), TrajectoryGroup)
         assert groups and all(g.policy == policy for g in groups)

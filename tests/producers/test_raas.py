@@ -13,7 +13,7 @@ import pytest
 from astraflow.config import load_config
 from astraflow.monitor import raas_group
 from producers.acquisition import acquire_run
-from topics.bus import TopicPartition, connect
+from topics.bus import connect, read_topic
 from topics.codec import decode
 from topics.names import TopicNames
 from topics.schemas import TrajectoryGroup
@@ -38,17 +38,8 @@ raas: {{batch_prompts: 2, max_inflight_groups: 100000, session_timeout_s: 6}}
     return path
 
 
-def read_all(bus, topic, partitions):
-    reader = bus.consumer(None)
-    reader.assign([TopicPartition(topic, p) for p in range(partitions)])
-    ends = bus.admin().end_offsets(topic)
-    out, seen, deadline = [], defaultdict(int), time.monotonic() + 30
-    while any(seen[p] < ends[p] for p in ends) and time.monotonic() < deadline:
-        for r in reader.poll(500, 0.5):
-            seen[r.partition] = r.offset + 1
-            out.append(decode(r.value, TrajectoryGroup))
-    reader.close()
-    return out
+def read_all(bus, topic):
+    return [decode(r.value, TrajectoryGroup) for r in read_topic(bus, topic)]
 
 
 def start_worker(config, i, log_dir):
@@ -72,7 +63,7 @@ def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_m
             assert all(w.poll() is None for w in workers), (tmp_path / "raas-0.log").read_text()[-2000:]
             time.sleep(0.2)
         # Kill a worker that is rolling out (it has written groups), mid-run.
-        victim = int(sorted(g.producer_id for g in read_all(bus, topic, 4))[0].split("-")[1])
+        victim = int(sorted(g.producer_id for g in read_all(bus, topic))[0].split("-")[1])
         survivor = 1 - victim
         workers[victim].send_signal(signal.SIGKILL)
         workers[victim].wait()
@@ -87,7 +78,7 @@ def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_m
         for w in workers:
             if w.poll() is None:
                 w.kill()
-    groups = read_all(bus, topic, 4)
+    groups = read_all(bus, topic)
     by_id = {}
     for g in groups:
         if g.group_id in by_id:  # a redelivered prompt: same group_id, dropped downstream
