@@ -8,7 +8,6 @@ overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
 import json
 import logging
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Optional

@@ -210,12 +210,9 @@ class Puller:
         while self.version != target:
             try:
                 steps = self.plan(target)
-            except ObjectMissing as e:
-                self._bad.add(step.obj.key)
-                log.warning("puller %s: %s is missing after %d attempts (%s); replanning without it",
-                            self.policy, uri, self.attempts, e)
-            except StoreError as e:
-                raise WeightsUnavailable(f"policy {self.policy!r}: cannot list the store: {e}") from e
+            except StoreError as e:  # listing failed, or an object vanished while reading its header
+                raise WeightsUnavailable(f"policy {self.policy!r}: cannot plan a path to version {target}: {e}; "
+                                         f"keeping version {self.version}") from e
             step = steps[0]
             uri = self.store.uri_of(step.obj.key)
             try:

@@ -6,7 +6,6 @@ import pytest
 from typer.testing import CliRunner
 
 from astraflow.cli import app
-from producers import rewards
 from producers.rewards import (RewardError, perturb_answer, register_reward, score, score_many, score_pairs)
 from producers.sources import load_source
 from topics.schemas import Prompt
