@@ -12,7 +12,7 @@ message contents.
 It is pre-trained by SFT on ``<bos>a+b=`` -> ``c<eos>`` with ``a, b <= 19``
 (DESIGN.md, "Calibration for the CPU demo"), in chunks of steps, measuring the
 temperature-1 sampled accuracy on all 400 problems after each chunk; training
-stops as soon as that accuracy is within ``[0.25, 0.5]`` (the target band is
+stops as soon as that accuracy is within ``[0.35, 0.5]`` (the target band is
 [0.2, 0.5], DESIGN.md), so RL has room to improve it.
 
 Usage: ``scripts/make_tiny_model.py [--out DIR] [--steps N] [--seed S]``; without
@@ -33,7 +33,7 @@ import torch
 MAX_OPERAND = 19
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 ACC_RANGE = (0.2, 0.5)
-ACC_STOP = 0.25  # stop once sampled accuracy reaches this (inside ACC_RANGE, clear of sampling noise)
+ACC_STOP = 0.35  # stop once sampled accuracy reaches this: mid-band, where GRPO on the demo learns fastest
 EVAL_EVERY = 25
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
@@ -161,7 +161,7 @@ def make_tiny_model(out_dir: str | Path, steps: int = 300, seed: int = 0, batch_
     Args:
         out_dir: directory to write (``save_pretrained`` layout, float32 safetensors).
         steps: the most SFT steps of ``batch_size`` examples; training stops
-            earlier, at a multiple of 25 steps, once sampled accuracy is in [0.25, 0.5].
+            earlier, at a multiple of 25 steps, once sampled accuracy is in [0.35, 0.5].
         seed: seed for initialisation, data and evaluation sampling.
         batch_size: examples per step.
         lr: AdamW learning rate.
