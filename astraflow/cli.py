@@ -54,10 +54,18 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     reward_curve.png are written to the run directory."""
     from astraflow.launcher import Launcher
 
+    from astraflow.launcher import preflight
+    from topics.bus import BusError
+
     cfg = _load(config, overrides)
     try:
+        preflight(cfg)
+    except (KeyError, ValueError, TypeError, FileNotFoundError, BusError) as e:
+        typer.echo(f"invalid run config {config}: {e}", err=True)
+        raise typer.Exit(2)
+    try:
         summary = Launcher(cfg, config.absolute(), list(overrides or [])).run()
-    except RuntimeError as e:
+    except (RuntimeError, BusError) as e:
         typer.echo(f"run failed: {e}", err=True)
         raise typer.Exit(1)
     print(json.dumps(summary), flush=True)
@@ -346,7 +354,13 @@ def verify_rewards(
     from producers.rewards import check_rewards
     from producers.sources import load_source
 
-    source = load_source(dataset, answer_field=answer_field)
+    from producers.sources import SourceError
+
+    try:
+        source = load_source(dataset, answer_field=answer_field)
+    except SourceError as e:
+        typer.echo(f"--dataset {dataset!r}: {e}", err=True)
+        raise typer.Exit(2)
     candidates = [source.get(i) for i in range(min(limit, len(source)) if limit > 0 else len(source))]
     prompts = [p for p in candidates if p is not None]
     if len(prompts) < len(candidates):

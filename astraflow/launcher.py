@@ -103,10 +103,33 @@ def plot_rewards(views: dict, path: Path) -> None:
     ax.set_xlabel("trainer step (version)")
     ax.set_ylabel("training reward (group mean)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.lines:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Check what the config names before any process starts: the workflow and its options, each
+    policy's filter chain and model directory, and that the bus answers.
+
+    Raises:
+        KeyError, ValueError, TypeError: an unknown workflow, role, option or filter (the message lists the known ones).
+        FileNotFoundError: a model directory that does not exist.
+        topics.bus.BusError: the bus cannot be reached.
+    """
+    from astraflow.models import resolve_model
+    from policies.base import Filter
+    from policies.registry import build_chain
+    from producers.workflows import get_workflow
+
+    get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None, **cfg.workflow.options)
+    for pc in cfg.policies.values():
+        build_chain(pc.filters, Filter)
+        if pc.model != "tiny":
+            resolve_model(pc.model)
+    connect(cfg.bus).admin()
 
 
 class Launcher:
@@ -203,6 +226,7 @@ class Launcher:
             monitor.poll(1.0)
             monitor.close()
         wall = time.monotonic() - t0
+        console.print()  # end the live view's line, so the JSON summary starts on its own line
         summary = self._write_outputs(monitor, wall)
         if failed:
             raise RuntimeError(f"components died: {', '.join(c.name for c in failed)} (see their logs)")

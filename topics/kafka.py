@@ -333,9 +333,14 @@ class KafkaConsumer(Consumer):
 class KafkaAdmin(Admin):
     """Topic administration and group offsets through confluent-kafka's AdminClient."""
 
-    def __init__(self, bootstrap: str):
+    def __init__(self, bootstrap: str, connect_timeout_s: float = 10.0):
         self._a = AdminClient({"bootstrap.servers": bootstrap})
         self._bootstrap = bootstrap
+        try:
+            self._a.list_topics(timeout=connect_timeout_s)
+        except KafkaException as e:
+            raise BusError(f"cannot reach Kafka at {bootstrap} within {connect_timeout_s:.0f} s ({e}); "
+                           f"start a broker (scripts/kafka-local.sh start) or fix bus=") from None
 
     def create_topic(self, name, partitions=1, compacted=False, retention_ms=None, config=None) -> None:
         conf = {"max.message.bytes": str(MAX_MESSAGE_BYTES)}
@@ -347,6 +352,8 @@ class KafkaAdmin(Admin):
         fut = self._a.create_topics([NewTopic(name, num_partitions=partitions, config=conf)])[name]
         try:
             fut.result(30)
+        except TimeoutError:
+            raise BusError(f"cannot create topic {name} on {self._bootstrap}: no answer in 30 s") from None
         except KafkaException as e:
             if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise BusError(f"cannot create topic {name}: {e}") from None
