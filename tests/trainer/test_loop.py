@@ -32,9 +32,18 @@ def _seq_logp(trainer, group):
     dict(correction="tis", kl_coef=0.1, entropy_coef=0.01, micro_batch_size=3, param_dtype="float32", lr=1e-4),
 ])
 def test_on_policy_update_moves_logprobs_in_advantage_direction(tiny_model_dir, make_group, cfg):
-    # One generated token per sample, distinct within a group, so that each update
-    # direction is not blurred by tokens shared with samples of the other sign.
-    groups = [make_group([1.0, 0.0], seed=s, gen_len=1) for s in range(3)]
+    # One generated token per sample, distinct within a group, so that each update direction is
+    # not blurred by tokens shared with samples of the other sign. Both tokens of a group must be
+    # neither near-certain nor negligible: for a token with p ~ 1 the gradient of its logprob is
+    # ~0, so its change is dominated by the other sample's update (the cross term).
+    groups = []
+    for seed in range(60):
+        g = make_group([1.0, 0.0], seed=seed, gen_len=1)
+        if all(-3.0 < float(s.behavior_logprobs[s.loss_mask == 1].sum()) < -0.1 for s in g.samples):
+            groups.append(g)
+        if len(groups) == 3:
+            break
+    assert len(groups) == 3
     pub = RecordingPublisher()
     trainer = Trainer(TrainerConfig(max_grad_norm=10.0, **cfg), tiny_model_dir, publisher=pub)
     before = [_seq_logp(trainer, g) for g in groups]
