@@ -17,6 +17,7 @@ every group is trained exactly once in the checkpointed history.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -25,13 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from consumers.serving import ReplayPolicy, ServingStage
-from topics.bus import connect
+from topics.bus import BusError, connect
 from topics.names import TopicNames
 from trainer.checkpoint import load_latest, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.coupling import VersionBarrier
 from trainer.loop import Trainer, WeightPublisher
 from trainer.metrics import MetricsSink
+
+log = logging.getLogger(__name__)
 
 TRAINED_LOG = "trained_groups.jsonl"
 CHECKPOINTS = "checkpoints"
@@ -102,6 +105,7 @@ class TrainerService:
                                    tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
         self.barrier = VersionBarrier(self.bus, self.names, cfg.barrier_peers) if cfg.barrier_peers else None
         self._pending: list[dict[str, Any]] = []
+        self._committed: dict = {}
         self._resume()
 
     @property
@@ -114,6 +118,7 @@ class TrainerService:
         if ckpt is not None:
             self.trainer.restore(ckpt)
             self.serving.load_state_dict(ckpt.serving, ckpt.offsets)
+            self._committed = self.serving.offsets_to_commit()
             if self.replay is not None and "replay" in ckpt.policies:
                 self.replay.load_state_dict(ckpt.policies["replay"])
             log_bytes = int(ckpt.extra.get("trained_log_bytes", 0))
@@ -136,6 +141,7 @@ class TrainerService:
             extra={"trained_log_bytes": size}, keep=self.config.keep_checkpoints)
         self._pending.clear()
         self.serving.commit(offsets)
+        self._committed = offsets
         return path
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
@@ -155,6 +161,16 @@ class TrainerService:
                     break
                 batch = self.serving.next_batch(self.trainer.version, timeout_s=cfg.poll_timeout_s)
                 if batch is None:
+                    if self.serving.offsets_to_commit() != self._committed:
+                        # Starved: checkpoint now, so the committed offsets (which drive RaaS
+                        # backpressure) show what was trained or dropped as stale. Otherwise a
+                        # paused RaaS and a waiting trainer could wait on each other. A commit
+                        # refused during a rebalance is retried at the next idle poll (the
+                        # checkpoint holds the offsets either way).
+                        try:
+                            self.checkpoint()
+                        except BusError as e:
+                            log.warning("idle checkpoint: offsets not committed yet (%s)", e)
                     if cfg.idle_exit_s is not None and time.monotonic() - last_data > cfg.idle_exit_s:
                         break
                     continue
