@@ -138,6 +138,14 @@ class ServingStage:
             out[tp] = min(out.get(tp, b.offset), b.offset)
         return out
 
+    def consumed(self) -> int:
+        """Records of ``topic`` taken out of it so far: polled and no longer buffered (served or dropped).
+
+        Offsets are absolute, so this is comparable with the topic's end offsets: their
+        sum minus this is what waits for the trainer (records, summed over partitions).
+        """
+        return sum(self._polled_end.values()) - len(self._buffer)
+
     def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
         """Commit ``offsets`` (default :meth:`offsets_to_commit`) for the consumer group.
 

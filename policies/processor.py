@@ -63,6 +63,9 @@ class FilterProcessor:
             so a restarted instance fences its killed predecessor and aborts its open transaction.
         max_records: the most records per poll batch (= per transaction).
         poll_timeout_s: seconds a poll waits for the first record.
+        linger_s: seconds to keep collecting after the first record, so that a stream of single
+            records becomes one transaction (Kafka Streams' exactly-once ``commit.interval.ms``,
+            100 ms, plays the same role); the added latency is at most this.
         metrics_interval_s: seconds between ``metrics`` records (counts since the previous one).
         session_timeout_s: seconds after which a silent member (a killed processor) leaves the group.
 
@@ -75,14 +78,15 @@ class FilterProcessor:
     """
 
     def __init__(self, bus: Bus, run: str, policy: str, filters: Sequence[Filter], *, instance: str = "0",
-                 max_records: int = 200, poll_timeout_s: float = 1.0, metrics_interval_s: float = 5.0,
+                 max_records: int = 200, poll_timeout_s: float = 1.0, linger_s: float = 0.1,
+                 metrics_interval_s: float = 5.0,
                  session_timeout_s: float = 10.0):
         self.names = TopicNames(run)
         self.policy, self.filters = policy, list(filters)
         self.group = f"filter.{policy}"
         self.component = f"filter.{policy}.{instance}"
         self.source, self.sink = self.names.trajectories(policy), self.names.samples(policy)
-        self.max_records, self.poll_timeout_s = max_records, poll_timeout_s
+        self.max_records, self.poll_timeout_s, self.linger_s = max_records, poll_timeout_s, linger_s
         self.metrics_interval_s = metrics_interval_s
         self.producer = bus.producer(transactional_id=f"{run}.filter.{policy}.{instance}")
         self.consumer = bus.consumer(self.group, client_id=self.component, session_timeout_s=session_timeout_s)
@@ -108,6 +112,9 @@ class FilterProcessor:
                 visible and the offsets are not committed); restart the processor.
         """
         records = self.consumer.poll(self.max_records, self.poll_timeout_s)
+        if records and len(records) < self.max_records and self.linger_s > 0:
+            time.sleep(self.linger_s)
+            records += self.consumer.poll(self.max_records - len(records), 0.0)
         due = self.pending and time.monotonic() - self._last_metrics >= self.metrics_interval_s
         if not records and not due:
             return 0

@@ -14,7 +14,7 @@ stage de-duplicates.
 Between batches it pulls new weights through the Weight Manager's puller.
 Backpressure: it pauses its ``prompts`` partitions while the in-flight groups
 (filter and trainer lag on ``trajectories.<policy>`` and ``samples.<policy>``)
-exceed ``raas.max_inflight_groups`` (see :attr:`RaasWorker.max_lag`), or while its weights are more than
+exceed ``raas.max_inflight_groups`` (see :meth:`RaasWorker.inflight_groups`), or while its weights are more than
 ``max_staleness`` versions behind the newest announcement.
 """
 from __future__ import annotations
@@ -98,7 +98,6 @@ class RaasWorker:
         self.paused_reason = ""
         self.totals = {"prompts": 0, "groups": 0, "tokens": 0}
         self._last_metric = 0.0
-        self._last_lag_check = 0.0
 
     # -- weights and backpressure ---------------------------------------------------------
     def sync_weights(self) -> None:
@@ -112,23 +111,30 @@ class RaasWorker:
                 except WeightsUnavailable as e:
                     log.warning("%s: keeping version %d of %s: %s", self.id, self.engines[p].version, p, e)
 
-    @property
-    def max_lag(self) -> int:
-        """The committed lag (groups) above which this worker pauses.
-
-        Trainers commit offsets only at checkpoints, so their committed lag also
-        counts up to ``checkpoint_every x batch_groups`` groups already trained;
-        those are added to ``raas.max_inflight_groups``.
-        """
-        held = max(self.cfg.policies[p].checkpoint_every * self.cfg.policies[p].batch_groups for p in self.policies)
-        return self.cfg.raas.max_inflight_groups + held
-
     def inflight_groups(self) -> int:
-        """Groups produced but not yet consumed by filters and trainers (records, from committed offsets)."""
+        """Groups produced but not yet taken by the filters and trainers (records, all policies).
+
+        A filter's share is its committed lag on ``trajectories.<policy>`` (it commits every
+        transaction). A trainer's share is the end offsets of ``samples.<policy>`` minus the
+        position that its newest weight announcement carries (``samples_consumed``). Before such
+        an announcement it is the trainer group's committed lag less ``checkpoint_every x
+        batch_groups``: trainers commit only at checkpoints, so that lag also counts groups already
+        trained.
+
+        Raises:
+            BusError: the topics do not exist yet.
+        """
         total = 0
         for p in self.policies:
             total += sum(self.admin.group_lag(filter_group(p), self.names.trajectories(p)).values())
-            total += sum(self.admin.group_lag(trainer_group(p), self.names.samples(p)).values())
+            puller, pc = self.pullers[p], self.cfg.policies[p]
+            newest = puller.announced.get(puller.newest) if puller.newest is not None else None
+            if newest is not None and newest.samples_consumed is not None:
+                end = sum(self.admin.end_offsets(self.names.samples(p)).values())
+                total += max(0, end - newest.samples_consumed)
+            else:
+                lag = sum(self.admin.group_lag(trainer_group(p), self.names.samples(p)).values())
+                total += max(0, lag - pc.checkpoint_every * pc.batch_groups)
         return total
 
     def pause_reason(self) -> str:
@@ -138,16 +144,12 @@ class RaasWorker:
             max_staleness = self.cfg.policies[p].max_staleness
             if newest is not None and newest - self.engines[p].version > max_staleness:
                 return f"{p} weights {newest - self.engines[p].version} versions behind"
-        now = time.monotonic()
-        if now - self._last_lag_check < 1.0:
-            return self.paused_reason
-        self._last_lag_check = now
         try:
             inflight = self.inflight_groups()
         except BusError:
             return ""  # topics not created yet: nothing in flight
-        if inflight > self.max_lag:
-            return f"{inflight} groups in flight > {self.max_lag}"
+        if inflight > self.cfg.raas.max_inflight_groups:
+            return f"{inflight} groups in flight > raas.max_inflight_groups={self.cfg.raas.max_inflight_groups}"
         return ""
 
     # -- rollout ---------------------------------------------------------------------------
@@ -184,7 +186,10 @@ class RaasWorker:
             self.paused_reason = reason
         elif reason:
             self.consumer.pause(assignment)  # partitions assigned since the pause
-        batch = self.prompts.poll(self.cfg.raas.batch_prompts, 0.5)
+        if reason:  # a pause usually ends with a new weight version: wait for one, briefly
+            for puller in self.pullers.values():
+                puller.poll(timeout_s=0.1 / len(self.pullers))
+        batch = self.prompts.poll(self.cfg.raas.batch_prompts, 0.0 if reason else 0.5)
         for _, prompt in batch:
             self.rollout(prompt)
         if self.prompts.last_offsets:

@@ -68,7 +68,9 @@ def workload_overrides(args: argparse.Namespace) -> list[str]:
         f"data.n_samples={args.group}",
         f"sampling.max_new_tokens={args.max_new_tokens}",
         f"raas.batch_prompts={args.prompts}",
-        f"raas.max_inflight_groups={args.prompts * (args.max_staleness + 1)}",
+        # the in-flight count includes the batch in training, so a batch produced with M groups in
+        # flight is trained at most M / prompts versions after the weights it was sampled with
+        f"raas.max_inflight_groups={args.prompts * args.max_staleness}",
     ]
 
 
@@ -163,7 +165,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=16, help="G: samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="generation budget per sample")
     parser.add_argument("--max-staleness", type=int, default=2, help="bounded staleness of the pipeline (versions)")
-    parser.add_argument("--sync-threads", default="1",
+    parser.add_argument("--sync-threads", default="1,2",
                         help="comma-separated torch thread counts tried for the sync arm (e.g. 1,2); the fastest is the baseline")
     parser.add_argument("--_sync-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -203,6 +203,7 @@ class WeightAnnouncement(Message):
     """A new weight version is durable in the object store."""
 
     SCHEMA: ClassVar[str] = "WeightAnnouncement"
+    VERSION: ClassVar[int] = 2  # 2: samples_consumed
     policy: str = Field(min_length=1)
     version: int = Field(ge=0)
     base_version: int | None = Field(default=None, description="the version a delta applies to; None for full")
@@ -214,6 +215,9 @@ class WeightAnnouncement(Message):
                                     "(sha256 over names, dtypes, shapes and each tensor's xxh3-128)")
     sparsity: float = Field(ge=0.0, le=1.0, description="fraction of elements unchanged vs base_version")
     reason: str = ""
+    samples_consumed: int | None = Field(
+        default=None, ge=0, description="the trainer's position on samples.<policy> after the batch that made "
+                                        "this version (records, summed over partitions); None when unknown")
     created_ts: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")

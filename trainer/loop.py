@@ -19,9 +19,10 @@ from trainer.model import DTYPES, load_causal_lm, resolve_device, token_logprobs
 
 
 class WeightPublisher(Protocol):
-    """Anything with ``publish(state_dict, version)``, e.g. ``weights.publisher.Publisher``."""
+    """Anything with ``publish(state_dict, version, samples_consumed)``, e.g. ``weights.publisher.Publisher``."""
 
-    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> Any: ...
+    def publish(self, state_dict: dict[str, torch.Tensor], version: int,
+                samples_consumed: int | None = None) -> Any: ...
 
 
 class Trainer:
@@ -90,7 +91,7 @@ class Trainer:
         return out
 
     def train_step(self, groups: list[TrajectoryGroup], version_now: int | None = None,
-                   wait_s: float = 0.0) -> dict[str, float]:
+                   wait_s: float = 0.0, samples_consumed: int | None = None) -> dict[str, float]:
         """Run ``ppo_epochs`` passes of mini-batch updates on ``groups``, then publish version + 1.
 
         Args:
@@ -98,6 +99,8 @@ class Trainer:
             version_now: the trainer version staleness is measured against
                 (default: :attr:`version`); staleness = version_now - group.min_version.
             wait_s: seconds the caller waited for this batch (for ``wait_frac``).
+            samples_consumed: the caller's position on ``samples.<policy>`` after this batch
+                (records), passed to the publisher for the version's announcement.
 
         Returns:
             The step's metrics (floats): loss, pg_loss, kl, clipfrac, entropy, grad_norm,
@@ -165,7 +168,7 @@ class Trainer:
         self.model.eval()
         self.version += 1
         if self.publisher is not None:
-            self.publisher.publish(self.publish_state(), self.version)
+            self.publisher.publish(self.publish_state(), self.version, samples_consumed)
 
         step_s = time.perf_counter() - start
         epochs = cfg.ppo_epochs

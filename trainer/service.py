@@ -176,7 +176,8 @@ class TrainerService:
                     continue
                 last_data = time.monotonic()
                 fresh = batch.groups[: len(batch.groups) - batch.replayed]
-                metrics = self.trainer.train_step(batch.groups, wait_s=batch.wait_s)
+                metrics = self.trainer.train_step(batch.groups, wait_s=batch.wait_s,
+                                                  samples_consumed=self.serving.consumed())
                 metrics.update(barrier_wait_s=barrier_s, replayed=batch.replayed, dropped_stale=batch.dropped_stale,
                                duplicates=batch.duplicates, rejected=batch.rejected,
                                dropped_stale_total=self.serving.total_dropped_stale)

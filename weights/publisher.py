@@ -84,7 +84,7 @@ class Publisher:
         self._cv = threading.Condition()
         self._free: list[Buffer] = []
         self._n_buffers = 0
-        self._pending: tuple[int, Buffer] | None = None
+        self._pending: tuple[int, Buffer, int | None] | None = None
         self._busy = False
         self._base: tuple[int, Buffer, str] | None = None
         self._last_submitted = -1
@@ -96,12 +96,16 @@ class Publisher:
 
     # ---- trainer side -------------------------------------------------------------
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int,
+                samples_consumed: int | None = None) -> float:
         """Copy ``state_dict`` to host memory as ``version`` and return; publishing continues in the background.
 
         Args:
             state_dict: name -> tensor (any device; same names, shapes and dtypes every call).
             version: strictly greater than every earlier ``version``.
+            samples_consumed: the trainer's position on ``samples.<policy>`` after the batch that made
+                ``version`` (records, summed over partitions); the announcement carries it, and RaaS
+                workers pace themselves by it.
 
         Returns:
             Seconds spent copying (the only time the caller waits).
@@ -123,7 +127,7 @@ class Publisher:
             else:
                 buf = self._free.pop() if self._free else self._alloc(state_dict)
             self._copy(state_dict, buf)
-            self._pending = (version, buf)
+            self._pending = (version, buf, samples_consumed)
             self._last_submitted = version
             self._cv.notify_all()
         return time.perf_counter() - t0
@@ -173,11 +177,11 @@ class Publisher:
                 self._cv.wait_for(lambda: self._pending is not None or self._closing)
                 if self._pending is None:
                     return
-                (version, buf), self._pending = self._pending, None
+                (version, buf, consumed), self._pending = self._pending, None
                 self._busy = True
             ok = False
             try:
-                sha = self._publish_one(version, buf)
+                sha = self._publish_one(version, buf, consumed)
                 ok = True
             except Exception as e:  # keep publishing later versions; the caller sees self.errors
                 log.exception("publisher %s: version %d failed; the next version will be a delta from the last published", self.policy, version)
@@ -192,7 +196,7 @@ class Publisher:
                 self._busy = False
                 self._cv.notify_all()
 
-    def _publish_one(self, version: int, buf: Buffer) -> str:
+    def _publish_one(self, version: int, buf: Buffer, samples_consumed: int | None) -> str:
         full_bytes = sum(t.numel() * t.element_size() for t in buf.values())
         delta, reason = None, "first version"
         if self._base is not None:
@@ -230,7 +234,7 @@ class Publisher:
         ann = WeightAnnouncement(
             policy=self.policy, version=version, kind=kind, uri=self.store.uri_of(key), bytes=size, sha256=sha,
             base_version=self._base[0] if kind == "delta" else None,
-            sparsity=delta.sparsity if delta is not None else 0.0, reason=reason)
+            sparsity=delta.sparsity if delta is not None else 0.0, reason=reason, samples_consumed=samples_consumed)
         if self._producer is not None:
             self._producer.send(self.names.weights, encode(ann), key=self.policy,
                                 headers=headers_for(ann, self.producer_id))
