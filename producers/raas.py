@@ -119,7 +119,8 @@ class RaasWorker:
         position that its newest weight announcement carries (``samples_consumed``). Before such
         an announcement it is the trainer group's committed lag less ``checkpoint_every x
         batch_groups``: trainers commit only at checkpoints, so that lag also counts groups already
-        trained.
+        trained. The batch a trainer is training counts as in flight until its version is announced.
+        On Kafka, the transaction marker after a partition's last record adds one per partition.
 
         Raises:
             BusError: the topics do not exist yet.

@@ -53,7 +53,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "examples" / "solver-verifier-tiny.yaml"
-CHECKPOINT_EVERY = 4  # trainer steps; RaaS runs at most ~(2 + this) / 2 iterations ahead (backpressure on lag)
+CHECKPOINT_EVERY = 4  # trainer steps
+AHEAD = 2  # iterations in flight (both policies' groups, the ones in training included): RaaS backpressure
 
 
 def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: int) -> float:
@@ -102,7 +103,7 @@ def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s:
     with tempfile.TemporaryDirectory(prefix="bench-mp-") as tmp:
         run_dir = Path(tmp) / run
         overrides = [f"run={run}", f"run_dir={run_dir}", f"data.n_samples={g}", f"raas.batch_prompts={batch}",
-                     f"raas.max_inflight_groups={2 * batch}", "data.epochs=1", f"raas.workers={workers}"]
+                     f"raas.max_inflight_groups={2 * AHEAD * batch}", "data.epochs=1", f"raas.workers={workers}"]
         for p in ("solver", "verifier"):
             overrides += [f"policies.{p}.steps={iters}", f"policies.{p}.batch_groups={batch}",
                           f"policies.{p}.checkpoint_every={CHECKPOINT_EVERY}"]

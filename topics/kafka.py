@@ -229,9 +229,12 @@ class KafkaConsumer(Consumer):
         self._apply_pending()
         deadline = time.monotonic() + timeout_s
         out: list[Record] = []
-        while not out:
+        while len(out) < max_records:
+            # librdkafka's consume(n, timeout) waits until it has n messages or the timeout passes:
+            # block for the first record only, then take what is already fetched without waiting.
             left = deadline - time.monotonic()
-            msgs = self._c.consume(num_messages=max_records, timeout=max(0.0, left))
+            wait = 0.0 if out else max(0.0, left)
+            msgs = self._c.consume(num_messages=1 if wait > 0 else max_records - len(out), timeout=wait)
             for m in msgs:
                 err = m.error()
                 if err is not None:
@@ -246,7 +249,7 @@ class KafkaConsumer(Consumer):
                                   {k: v for k, v in (m.headers() or [])}, ts))
             if self._pending:
                 self._apply_pending()
-            if left <= 0:
+            if not msgs and (out or left <= 0):
                 break
         return out
 
