@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "examples" / "solver-verifier-tiny.yaml"
 CHECKPOINT_EVERY = 4  # trainer steps
-AHEAD = 2  # iterations in flight (both policies' groups, the ones in training included): RaaS backpressure
+AHEAD = 3  # iterations in flight (both policies' groups, the ones in training included): RaaS backpressure
 
 
 def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: int) -> float:
