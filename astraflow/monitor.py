@@ -16,21 +16,6 @@ from topics.codec import MessageError, decode
 from topics.names import TopicNames
 from topics.schemas import Metric
 
-def raas_group(workflow: str) -> str:
-    """Consumer group of the RaaS workers on ``prompts``."""
-    return f"raas.{workflow}"
-
-
-def filter_group(policy: str) -> str:
-    """Consumer group of ``policy``'s filter processor on ``trajectories.<policy>``."""
-    return f"filter.{policy}"
-
-
-def trainer_group(policy: str) -> str:
-    """Consumer group of ``policy``'s trainer on ``samples.<policy>``."""
-    return f"trainer.{policy}"
-
-
 @dataclass
 class PolicyView:
     """The latest trainer figures of one policy."""
@@ -51,7 +36,7 @@ class RunMonitor:
         bus: the run's bus.
         names: the run's topic names.
         policies: policy names.
-        workflow: the workflow name (its RaaS group is ``raas.<workflow>``).
+        workflow: the workflow name (its RaaS group is ``<run>.raas.<workflow>``).
         group: this monitor's own consumer group (default: a fresh unique one,
             reading the whole topic from the beginning).
     """
@@ -95,9 +80,10 @@ class RunMonitor:
 
     def lags(self) -> dict[tuple[str, str], int]:
         """Per (consumer group, topic), the total lag in records from committed offsets (-1: unknown)."""
-        pairs = [(raas_group(self.workflow), self.names.prompts)]
+        pairs = [(self.names.raas_group(self.workflow), self.names.prompts)]
         for p in self.policies:
-            pairs += [(filter_group(p), self.names.trajectories(p)), (trainer_group(p), self.names.samples(p))]
+            pairs += [(self.names.filter_group(p), self.names.trajectories(p)),
+                      (self.names.trainer_group(p), self.names.samples(p))]
         out = {}
         for group, topic in pairs:
             try:

@@ -83,7 +83,7 @@ class FilterProcessor:
                  session_timeout_s: float = 10.0):
         self.names = TopicNames(run)
         self.policy, self.filters = policy, list(filters)
-        self.group = f"filter.{policy}"
+        self.group = self.names.filter_group(policy)
         self.component = f"filter.{policy}.{instance}"
         self.source, self.sink = self.names.trajectories(policy), self.names.samples(policy)
         self.max_records, self.poll_timeout_s, self.linger_s = max_records, poll_timeout_s, linger_s
@@ -200,7 +200,7 @@ class CuratorGate:
         self.metrics_interval_s = metrics_interval_s
         self.version = -1
         self.producer = bus.producer()
-        self.outcomes = bus.consumer(f"curator.{policy}", client_id=self.component)
+        self.outcomes = bus.consumer(self.names.curator_group(policy), client_id=self.component)
         self.outcomes.subscribe([self.names.outcomes])
         self.weights = bus.consumer(None, client_id=self.component)
         self.weights.seek_to_beginning()  # before assign: the assignment then starts at the beginning

@@ -130,7 +130,7 @@ class Acquisition:
         self.seed, self.shuffle = seed, shuffle
         self.batch_size = min(batch_size, max_outstanding) if max_outstanding else batch_size
         self.max_outstanding = max_outstanding
-        self.group = group or f"raas.{workflow}"
+        self.group = group or names.raas_group(workflow)
         self.partitions, self.producer_id = partitions, producer_id
         self.metadata = dict(metadata or {})
         self.poll_s = poll_s

@@ -26,7 +26,6 @@ import time
 
 from astraflow.config import RunConfig
 from astraflow.models import resolve_model
-from astraflow.monitor import filter_group, raas_group, trainer_group
 from producers.engines import Engine, HFEngine, SamplingParams
 from producers.workflows import get_workflow
 from topics.bus import Bus, BusError, connect
@@ -91,7 +90,7 @@ class RaasWorker:
                                        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
         self.admin = self.bus.admin()
         self.producer = self.bus.producer()
-        self.consumer = self.bus.consumer(raas_group(cfg.workflow.name), session_timeout_s=cfg.raas.session_timeout_s,
+        self.consumer = self.bus.consumer(self.names.raas_group(cfg.workflow.name), session_timeout_s=cfg.raas.session_timeout_s,
                                           client_id=self.id)
         self.consumer.subscribe([self.names.prompts])
         self.prompts = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, Prompt)
@@ -127,14 +126,14 @@ class RaasWorker:
         """
         total = 0
         for p in self.policies:
-            total += sum(self.admin.group_lag(filter_group(p), self.names.trajectories(p)).values())
+            total += sum(self.admin.group_lag(self.names.filter_group(p), self.names.trajectories(p)).values())
             puller, pc = self.pullers[p], self.cfg.policies[p]
             newest = puller.announced.get(puller.newest) if puller.newest is not None else None
             if newest is not None and newest.samples_consumed is not None:
                 end = sum(self.admin.end_offsets(self.names.samples(p)).values())
                 total += max(0, end - newest.samples_consumed)
             else:
-                lag = sum(self.admin.group_lag(trainer_group(p), self.names.samples(p)).values())
+                lag = sum(self.admin.group_lag(self.names.trainer_group(p), self.names.samples(p)).values())
                 total += max(0, lag - pc.checkpoint_every * pc.batch_groups)
         return total
 
@@ -212,7 +211,7 @@ class RaasWorker:
 
     def run(self, stop: threading.Event) -> None:
         """Roll out until ``stop`` is set; then finish the batch in hand, commit and leave the group."""
-        log.info("%s: joined %s on %s (policies %s)", self.id, raas_group(self.cfg.workflow.name),
+        log.info("%s: joined %s on %s (policies %s)", self.id, self.names.raas_group(self.cfg.workflow.name),
                  self.names.prompts, self.policies)
         try:
             while not stop.is_set():

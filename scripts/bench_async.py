@@ -26,15 +26,20 @@ the ``ts`` of the trainer's per-step Metric records in ``<run_dir>/metrics.jsonl
 Rounds alternate sync, pipeline, sync, ... so that load from other processes on
 the machine hits both arms alike; the median of each arm is reported.
 
-The sync arm runs with one torch thread by default (``--sync-threads 1,2``
-tries both and keeps the faster as the baseline): on the tiny model a second
-intra-op thread gains little, and on a loaded machine OpenMP's spinning makes
-it many times slower (measured 275 s against 16 s), which would flatter the
-pipeline. The pipeline's two busy processes (RaaS and trainer) get the two cores.
+The sync arm runs with 1 and with 2 torch threads (``--sync-threads 1,2``) and
+the faster is the baseline: on the tiny model a second intra-op thread gains
+10-30%, and on a loaded machine OpenMP's spinning can make it many times slower.
+The pipeline's two busy processes (RaaS and trainer) get the two cores.
+
+A two-stage pipeline can at best hide its shorter stage, so it cannot beat the
+1-thread sync arm by more than (rollout + train) / max(rollout, train), and
+the best sync arm by more than that times sync(1 thread) / sync(best). The
+sync child times both phases, and the benchmark prints that bound
+(``overlap_bound`` in the JSON line) next to the ratio.
 
 Ends with one JSON line ``{"metric": "async_speedup", "value": pipeline_s,
-"baseline": sync_s, "ratio": sync_s / pipeline_s, ...}`` (seconds for the timed
-steps; ratio > 1: the pipeline is faster).
+"baseline": sync_s, "ratio": sync_s / pipeline_s, "overlap_bound": ..., ...}``
+(seconds for the timed steps; ratio > 1: the pipeline is faster).
 
 Usage: ``scripts/bench_async.py [--quick] [--rounds N] [--steps N] [--warmup K]
 [--prompts P] [--group G] [--max-new-tokens T] [--max-staleness S] [--cores C]``.

@@ -1,4 +1,4 @@
-"""Run-prefixed topic names (DESIGN.md, "Topics")."""
+"""Run-prefixed topic and consumer-group names (DESIGN.md, "Topics")."""
 from __future__ import annotations
 
 import re
@@ -12,7 +12,7 @@ COMPACTED = ("weights", "control")
 
 @dataclass(frozen=True)
 class TopicNames:
-    """The topic names of one run: ``<run>.<topic>``.
+    """The topic and consumer-group names of one run: ``<run>.<topic>``, ``<run>.<group>``.
 
     Raises:
         ValueError: ``run`` or a policy name has characters Kafka does not allow.
@@ -59,6 +59,24 @@ class TopicNames:
 
     def samples(self, policy: str) -> str:
         return self._name("samples", policy)
+
+    # Consumer groups are run-scoped like topics: runs that share a broker never share a group,
+    # so one run's members never join, or rebalance, another's.
+    def raas_group(self, workflow: str) -> str:
+        """Consumer group of the RaaS workers on ``prompts``: ``<run>.raas.<workflow>``."""
+        return self._name("raas", workflow)
+
+    def filter_group(self, policy: str) -> str:
+        """Consumer group of ``policy``'s filter processors on ``trajectories.<policy>``."""
+        return self._name("filter", policy)
+
+    def trainer_group(self, policy: str) -> str:
+        """Consumer group of ``policy``'s trainer on ``samples.<policy>``."""
+        return self._name("trainer", policy)
+
+    def curator_group(self, policy: str) -> str:
+        """Consumer group of ``policy``'s curator gate on ``outcomes``."""
+        return self._name("curator", policy)
 
     def is_compacted(self, topic: str) -> bool:
         """Whether ``topic`` (a full name of this run) is one of the compacted topics."""

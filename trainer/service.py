@@ -93,7 +93,7 @@ class TrainerService:
         for topic in (self.names.samples(policy), self.names.metrics, self.names.deadletter):
             admin.create_topic(topic, partitions=4)
         self.producer = self.bus.producer()
-        self.consumer = self.bus.consumer(f"trainer.{policy}", client_id=f"trainer.{policy}.{os.getpid()}")
+        self.consumer = self.bus.consumer(self.names.trainer_group(policy), client_id=f"trainer.{policy}.{os.getpid()}")
         self.replay = replay
         self.serving = ServingStage(
             self.consumer, self.producer, self.names.samples(policy), self.names.deadletter,

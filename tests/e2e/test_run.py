@@ -64,8 +64,9 @@ def test_status_shows_throughput_and_true_lag_during_a_run(tmp_path):
     final = json.loads(astraflow("status", *args, "--json", "--seconds", "1").stdout.strip().splitlines()[-1])
     admin = connect(f"local://{tmp_path}/bus").admin()
     names = TopicNames(run)
-    for group, topic in [("raas.single_turn", names.prompts), ("trainer.actor", names.samples("actor")),
-                         ("filter.actor", names.trajectories("actor"))]:
+    for group, topic in [(names.raas_group("single_turn"), names.prompts),
+                         (names.trainer_group("actor"), names.samples("actor")),
+                         (names.filter_group("actor"), names.trajectories("actor"))]:
         ends, committed = admin.end_offsets(topic), admin.group_offsets(group, topic)
         assert final["lag"][f"{group} {topic}"] == sum(e - (committed[p] or 0) for p, e in ends.items())
     assert final["policies"]["actor"]["version"] == 40

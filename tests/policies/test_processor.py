@@ -57,7 +57,7 @@ def test_filter_zero_adv_stream_is_byte_identical(bus_url, run_id):
         assert {k: r.headers[k] for k in headers} == headers
     dead = [decode(r.value, DeadLetter) for r in read_all(bus, names.deadletter, 1)]
     assert [(d.value, d.topic, d.consumer_group) for d in dead] == \
-           [(b"not a trajectory group", names.trajectories("solver"), "filter.solver")]
+           [(b"not a trajectory group", names.trajectories("solver"), names.filter_group("solver"))]
     totals = _sum_metrics(read_all(bus, names.metrics, 1), "filter.solver.0")
     assert totals["kept"] == 9 and totals["dropped"] == 9 and totals["dropped.zero_adv"] == 9
     assert totals["dead_letter"] == 1 and totals["consumed"] == 19

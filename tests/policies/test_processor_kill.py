@@ -85,5 +85,5 @@ def test_sigkill_mid_stream_then_restart_is_exactly_once(kafka_url, run_id, tmp_
     assert set(ids) == expected, (tmp_path / "second.log").read_text()[-2000:]
     assert second.returncode == 0, (tmp_path / "second.log").read_text()[-2000:]
     # every input record was consumed, and its offset committed in a transaction
-    consumed = sum(n or 0 for n in bus.admin().group_offsets("filter.solver", names.trajectories("solver")).values())
+    consumed = sum(n or 0 for n in bus.admin().group_offsets(names.filter_group("solver"), names.trajectories("solver")).values())
     assert consumed == len(groups)

@@ -11,7 +11,6 @@ from collections import defaultdict
 import pytest
 
 from astraflow.config import load_config
-from astraflow.monitor import raas_group
 from producers.acquisition import acquire_run
 from topics.bus import connect, read_topic
 from topics.codec import decode
@@ -66,11 +65,11 @@ def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_m
         victim = int(sorted(g.producer_id for g in read_all(bus, topic))[0].split("-")[1])
         survivor = 1 - victim
         workers[victim].send_signal(signal.SIGKILL)
-        remaining = sum(bus.admin().group_lag(raas_group("single_turn"), names.prompts).values())
+        remaining = sum(bus.admin().group_lag(names.raas_group("single_turn"), names.prompts).values())
         assert remaining > 0  # killed mid-run: prompts were left for the survivor
         workers[victim].wait()
         deadline = time.monotonic() + 180
-        while sum(bus.admin().group_lag(raas_group("single_turn"), names.prompts).values()) > 0:
+        while sum(bus.admin().group_lag(names.raas_group("single_turn"), names.prompts).values()) > 0:
             assert time.monotonic() < deadline, "prompts were not all processed"
             assert workers[survivor].poll() is None, (tmp_path / f"raas-{survivor}.log").read_text()[-2000:]
             time.sleep(0.5)

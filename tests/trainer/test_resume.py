@@ -98,5 +98,5 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
         assert key in metrics[-1].values, key
     assert metrics[-1].component == "trainer.pol" and metrics[-1].kind == "trainer"
     # the committed offsets cover everything consumed
-    lag = bus.admin().group_lag("trainer.pol", names.samples("pol"))
+    lag = bus.admin().group_lag(names.trainer_group("pol"), names.samples("pol"))
     assert sum(lag.values()) == 0
