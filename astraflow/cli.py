@@ -143,7 +143,7 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
                                 barrier_peers={q: c.steps for q, c in cfg.policies.items() if q != policy}
                                 if cfg.coupling == "barrier" and len(cfg.policies) > 1 else None)
     publisher = Publisher(WeightStore(cfg.store, cfg.run), connect(cfg.bus), TopicNames(cfg.run), policy,
-                          producer_id=f"trainer.{policy}")
+                          keep_versions=pc.keep_versions, producer_id=f"trainer.{policy}")
     service = TrainerService(service_cfg, publisher=publisher, replay=replays[0] if replays else None)
     try:
         summary = service.run(stop)

@@ -63,6 +63,8 @@ class PolicyConfig(_Strict):
     steps: int = Field(default=100, ge=1, description="trainer versions to produce, then stop")
     max_staleness: int = Field(default=8, ge=0, description="versions; older samples are dropped")
     checkpoint_every: int = Field(default=10, ge=1, description="steps between checkpoints")
+    keep_versions: int | None = Field(default=None, ge=1, description="weight versions kept in the store: after each "
+                                      "publish, objects no chain to the newest N needs are deleted; None keeps all")
     filters: list[dict[str, Any]] = Field(default_factory=lambda: [{"name": "accept_all"}])
     serving: list[dict[str, Any]] = Field(default_factory=list, description="replay / mix / staleness policies")
 

@@ -74,7 +74,7 @@ class WeightStore:
                 if not rest.startswith("/"):
                     raise StoreError(f"weight store URI {uri!r}: a file:// path must be absolute")
                 Path(rest).mkdir(parents=True, exist_ok=True)
-                self._store = from_url(uri, mkdir=True)
+                self._store = from_url(uri, mkdir=True, automatic_cleanup=True)  # deleted versions leave no empty dirs
             else:
                 client = {"allow_http": True} if str(options.get("endpoint", "")).startswith("http://") else None
                 self._store = from_url(uri, config=options or None, client_options=client)

@@ -37,6 +37,9 @@ def test_arith_tiny_learns_within_ten_minutes(tmp_path, bus_url):
     assert (tmp_path / "reward_curve.png").stat().st_size > 1000
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= s["steps"]
     assert set(json.loads((tmp_path / "components.json").read_text()).values()) == {0}
+    # keep_versions: 20 in the example: the store holds the newest 20 (full) versions, not 400
+    kept = sorted(int(d.name) for d in (tmp_path / "weights" / run / "actor").iterdir())
+    assert len(kept) == 20 and kept[-1] == 400, kept
 
 
 @pytest.mark.slow
