@@ -14,8 +14,9 @@ class RecordingPublisher:
     def __init__(self):
         self.calls = []
 
-    def publish(self, state_dict, version):
+    def publish(self, state_dict, version, samples_consumed=None):
         self.calls.append((version, {k: v.dtype for k, v in state_dict.items()}))
+        self.consumed = samples_consumed
 
 
 def _seq_logp(trainer, group):
@@ -47,12 +48,12 @@ def test_on_policy_update_moves_logprobs_in_advantage_direction(tiny_model_dir, 
     pub = RecordingPublisher()
     trainer = Trainer(TrainerConfig(max_grad_norm=10.0, **cfg), tiny_model_dir, publisher=pub)
     before = [_seq_logp(trainer, g) for g in groups]
-    metrics = trainer.train_step(groups)
+    metrics = trainer.train_step(groups, samples_consumed=17)
     after = [_seq_logp(trainer, g) for g in groups]
     for g, b, a in zip(groups, before, after):
         for sample, delta in zip(g.samples, a - b):
             assert (delta > 0) if sample.reward > 0 else (delta < 0), (a - b, [s.reward for s in g.samples])
-    assert trainer.version == 1 and pub.calls[0][0] == 1
+    assert trainer.version == 1 and pub.calls[0][0] == 1 and pub.consumed == 17
     assert set(pub.calls[0][1].values()) == {torch.bfloat16}
     for key in ("loss", "pg_loss", "kl", "clipfrac", "entropy", "grad_norm", "reward_mean", "reward_std",
                 "is_ratio_mean", "is_ratio_max", "is_ratio_min", "tokens_per_s", "wait_frac"):
