@@ -52,9 +52,7 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     as separate processes, with a live view. Ends with a JSON summary line
     {"run", "steps", "versions", "reward_first", "reward_last", "wall_s"}; metrics.jsonl and
     reward_curve.png are written to the run directory."""
-    from astraflow.launcher import Launcher
-
-    from astraflow.launcher import preflight
+    from astraflow.launcher import Launcher, preflight
     from topics.bus import BusError
 
     cfg = _load(config, overrides)
@@ -352,9 +350,7 @@ def verify_rewards(
     from rich.table import Table
 
     from producers.rewards import check_rewards
-    from producers.sources import load_source
-
-    from producers.sources import SourceError
+    from producers.sources import SourceError, load_source
 
     try:
         source = load_source(dataset, answer_field=answer_field)

@@ -162,11 +162,11 @@ class TrainerService:
                 batch = self.serving.next_batch(self.trainer.version, timeout_s=cfg.poll_timeout_s)
                 if batch is None:
                     if self.serving.offsets_to_commit() != self._committed:
-                        # Starved: checkpoint now, so the committed offsets (which drive RaaS
-                        # backpressure) show what was trained or dropped as stale. Otherwise a
-                        # paused RaaS and a waiting trainer could wait on each other. A commit
-                        # refused during a rebalance is retried at the next idle poll (the
-                        # checkpoint holds the offsets either way).
+                        # Starved: checkpoint now, so the committed offsets (the lag `status`
+                        # shows, and RaaS backpressure before this trainer's first announcement)
+                        # cover what was trained or dropped as stale. A commit refused during a
+                        # rebalance is retried at the next idle poll (the checkpoint holds the
+                        # offsets either way).
                         try:
                             self.checkpoint()
                         except BusError as e:
