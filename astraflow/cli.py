@@ -50,16 +50,21 @@ def _component_setup(name: str, cfg) -> threading.Event:
 def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Run a whole RL run on this machine: acquisition, RaaS workers, filter processors and trainers
     as separate processes, with a live view. Ends with a JSON summary line
-    {"run", "steps", "versions", "reward_first", "reward_last", "wall_s"}; metrics.jsonl and
-    reward_curve.png are written to the run directory."""
+    {"run", "steps", "versions", "reward_first", "reward_last", "wall_s"}, where reward_first and
+    reward_last are the mean training reward over the first and the last 20% of trainer steps;
+    metrics.jsonl and reward_curve.png are written to the run directory."""
     from astraflow.launcher import Launcher, preflight
     from topics.bus import BusError
 
     cfg = _load(config, overrides)
     try:
         preflight(cfg)
-    except (KeyError, ValueError, TypeError, FileNotFoundError, BusError) as e:
-        typer.echo(f"invalid run config {config}: {e}", err=True)
+    except BusError as e:
+        typer.echo(f"cannot use bus {cfg.bus}: {e}", err=True)
+        raise typer.Exit(2)
+    except (KeyError, ValueError, TypeError, FileNotFoundError) as e:
+        reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # a KeyError's str() is its repr
+        typer.echo(f"invalid run config {config}: {reason}", err=True)
         raise typer.Exit(2)
     try:
         summary = Launcher(cfg, config.absolute(), list(overrides or [])).run()

@@ -154,8 +154,10 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def _format(e: ValidationError, origin: str) -> str:
     lines = [f"invalid config {origin}:"]
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        lines.append(f"  {loc}: {err['msg']}")
+        loc = ".".join(str(x) for x in err["loc"])
+        # a validator's ValueError reads "Value error, <message>"; whole-config checks name their fields
+        msg = str(err["ctx"]["error"]) if err["type"] == "value_error" and "error" in err.get("ctx", {}) else err["msg"]
+        lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
     return "\n".join(lines)
 
 

@@ -337,7 +337,9 @@ class KafkaAdmin(Admin):
     """Topic administration and group offsets through confluent-kafka's AdminClient."""
 
     def __init__(self, bootstrap: str, connect_timeout_s: float = 10.0):
-        self._a = AdminClient({"bootstrap.servers": bootstrap})
+        # log_level 2 (critical): an unreachable broker is reported once, by the BusError below, not by a
+        # librdkafka "Connection refused" line per reconnect attempt on stderr
+        self._a = AdminClient({"bootstrap.servers": bootstrap, "log_level": 2})
         self._bootstrap = bootstrap
         try:
             self._a.list_topics(timeout=connect_timeout_s)
