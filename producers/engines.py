@@ -133,6 +133,8 @@ class HFEngine(Engine):
 
     Prompts are left-padded with an attention mask and explicit position ids;
     one prefill pass builds the cache, then each step feeds one token per row.
+    Identical prompts (the G samples of a GRPO group) are prefilled once and
+    their cache rows copied, as prefix caching does in SGLang and vLLM.
     Rows that have stopped keep running on a pad token (their outputs are
     ignored) until every row stops or ``max_new_tokens`` is reached.
 
@@ -183,9 +185,11 @@ class HFEngine(Engine):
     def _generate_chunk(self, batch: list[list[int]], sampling: SamplingParams,
                         gen: torch.Generator) -> list[Generation]:
         n, width, dev = len(batch), max(map(len, batch)), self.device
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, row in enumerate(batch):
+        first: dict[tuple[int, ...], int] = {}  # each distinct prompt -> its row in the prefill
+        rows = torch.tensor([first.setdefault(tuple(row), len(first)) for row in batch], dtype=torch.long, device=dev)
+        ids = torch.full((len(first), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(first), width), dtype=torch.long)
+        for i, row in enumerate(first):
             ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
             mask[i, width - len(row):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
@@ -196,11 +200,12 @@ class HFEngine(Engine):
         logps = torch.empty((n, steps), dtype=torch.float32, device=dev)
         done = torch.zeros(n, dtype=torch.bool, device=dev)
         length = torch.full((n,), steps, dtype=torch.long, device=dev)
-        next_pos = positions[:, -1:] + 1
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1)
         cache = getattr(out, self._cache_name)
-        logits = out.logits[:, -1]
+        if len(first) < n:
+            cache.reorder_cache(rows)  # one cache row per sample: index_select on the batch dimension
+        logits, mask, next_pos = out.logits[rows, -1], mask[rows], positions[rows, -1:] + 1
         for t in range(steps):
             tok, logp = self._sample(logits, sampling, gen)
             tok = tok.masked_fill_(done, self.pad_id)

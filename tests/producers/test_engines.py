@@ -20,8 +20,9 @@ def _encode(engine, texts):
 
 
 def test_behaviour_logprobs_match_teacher_forced_recompute(engine):
-    """Left-padded, KV-cached sampling logprobs == one unpadded forward over prompt+output."""
-    batch = _encode(engine, PROMPTS)
+    """Left-padded, KV-cached sampling logprobs == one unpadded forward over prompt+output. The second
+    chunk (max_batch=3) holds the open question twice, prefilled once and sampled independently."""
+    batch = _encode(engine, PROMPTS + PROMPTS[3:] + PROMPTS[1:2])
     sampling = SamplingParams(max_new_tokens=12, temperature=0.7, stop_token_ids=(), seed=1)
     gens = engine.generate(batch, sampling)
     diffs = []
@@ -35,6 +36,7 @@ def test_behaviour_logprobs_match_teacher_forced_recompute(engine):
             diffs.append(np.abs(ref.numpy() - g.logprobs))
     assert np.concatenate(diffs).mean() < 1e-3
     assert np.all(np.concatenate([g.logprobs for g in gens]) <= 0)
+    assert gens[3].output_ids.tolist() != gens[4].output_ids.tolist()  # shared prefill, separate samples
 
 
 def test_stops_on_eos_and_seed_is_reproducible(engine):
