@@ -15,7 +15,10 @@ Delta vs full, with ``F`` the full size (bytes of all tensors) and ``D`` the
 encoded delta size:
 
 1. the first version is a full snapshot;
-2. if ``D > max_delta_fraction * F`` the delta is not sparse enough: full;
+2. if ``D > max_delta_fraction * F`` the delta is not sparse enough: full.
+   After n such versions in a row the next ``min(2**(n-1), 16) - 1`` skip the
+   delta attempt (full float32 training changes every weight each step, so its
+   deltas are never sparse, and trying costs a diff and an encode per version);
 3. otherwise, with ``C`` the bytes of the deltas since the last full snapshot,
    if ``C + D > chain_budget * F`` (or the chain would exceed ``max_chain``
    deltas) a full snapshot is taken too, and the delta is still stored so
@@ -65,7 +68,7 @@ class Publisher:
         producer_id: recorded in the announcement headers.
 
     Attributes:
-        announcements: every announcement made, in order.
+        announcements: the last 1,000 announcements made, in order.
         errors: exceptions raised by background publishes (the version is then
             skipped; the next one is a delta from the last successful version).
     """
@@ -90,6 +93,8 @@ class Publisher:
         self._last_submitted = -1
         self._chain_bytes = 0
         self._chain_len = 0
+        self._dense_streak = 0  # versions in a row whose delta was not sparse enough
+        self._skip_deltas = 0  # versions left to publish full without trying a delta (rule 2)
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"publisher-{policy}", daemon=True)
         self._thread.start()
@@ -199,13 +204,20 @@ class Publisher:
     def _publish_one(self, version: int, buf: Buffer, samples_consumed: int | None) -> str:
         full_bytes = sum(t.numel() * t.element_size() for t in buf.values())
         delta, reason = None, "first version"
-        if self._base is not None:
+        if self._base is not None and self._skip_deltas > 0:
+            self._skip_deltas -= 1
+            reason = f"the last {self._dense_streak} deltas tried were over {self.max_delta_fraction:.0%} of full"
+        elif self._base is not None:
             base_version, base_buf, base_sha = self._base
             delta = encode_delta(base_buf, buf, base_version=base_version, version=version, level=self.level,
                                  threads=self.threads, base_sha256=base_sha,
                                  max_bytes=int(self.max_delta_fraction * full_bytes))
             if delta is None:
                 reason = f"delta over {self.max_delta_fraction:.0%} of full ({full_bytes} B): not sparse enough"
+                self._dense_streak += 1
+                self._skip_deltas = min(2 ** (self._dense_streak - 1), 16) - 1
+            else:
+                self._dense_streak = 0
         kind = "full"
         if delta is not None:
             d = len(delta.data)
@@ -240,6 +252,7 @@ class Publisher:
                                 headers=headers_for(ann, self.producer_id))
             self._producer.flush()
         self.announcements.append(ann)
+        del self.announcements[:-1000]  # a long run announces once per step
         log.info("publisher %s: version %d %s %d B (%s)", self.policy, version, kind, size, reason)
         if self.keep_versions:
             self.store.retain(self.policy, self.keep_versions)

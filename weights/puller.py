@@ -95,7 +95,8 @@ class Puller:
 
     @property
     def newest(self) -> int | None:
-        """The newest announced version (None before any announcement)."""
+        """The newest announced version (None before any announcement); older announcements than the
+        loaded version are forgotten after each :meth:`sync`."""
         return max(self.announced) if self.announced else None
 
     def poll(self, timeout_s: float = 0.0) -> int | None:
@@ -233,6 +234,8 @@ class Puller:
                     self._bad.add(step.obj.key)
                     log.warning("puller %s: %s is corrupt again (%s); excluding it and falling back "
                                 "(full snapshot if the chain is broken)", self.policy, uri, e)
+        # forget announcements older than the loaded version: a long run announces one per step
+        self.announced = {v: a for v, a in self.announced.items() if v >= self.version}
         if self.on_update is not None:
             self.on_update(self.state, self.version)
         return True

@@ -147,6 +147,29 @@ def test_puller_five_behind_catches_up_through_the_chain(run, tmp_path):
     puller.close()
 
 
+def test_dense_float32_updates_back_off_from_delta_attempts(run, tmp_path):
+    """Every weight changes each version (full float32 training): deltas are tried at versions 1, 2, 4 and 8
+    only, every version is a full snapshot, and a puller still lands on the newest one bit-exactly."""
+    bus, names = run
+    store = WeightStore(WeightStore.default_uri(tmp_path), names.run)
+    state = {"w": torch.randn(4096, generator=torch.Generator().manual_seed(0))}
+    pub = Publisher(store, bus, names, "solver")
+    for v in range(10):
+        state["w"] += 0.5
+        pub.publish(state, v)
+        assert pub.wait(60)
+    pub.close()
+    assert [a.kind for a in pub.announcements] == ["full"] * 10 and not pub.errors
+    tried = [a.version for a in pub.announcements if "not sparse enough" in a.reason]
+    skipped = [a.version for a in pub.announcements if "deltas tried were over" in a.reason]
+    assert tried == [1, 2, 4, 8] and skipped == [3, 5, 6, 7, 9]
+    puller = Puller(store, bus, names, "solver")
+    wait_newest(puller, 9)
+    assert puller.sync() and puller.version == 9
+    assert_bit_equal(puller.state, state)
+    assert list(puller.announced) == [9]  # older announcements are forgotten once loaded
+
+
 def test_corrupt_delta_is_refetched_then_replaced_by_a_full_snapshot(run, tmp_path, caplog):
     bus, names = run
     store = WeightStore(WeightStore.default_uri(tmp_path), names.run)
