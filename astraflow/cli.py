@@ -234,6 +234,9 @@ def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         monitor.poll(0.5)
+    if not monitor.records and all(n is None for n in monitor.lags().values()):
+        typer.echo(f"run {cfg.run!r} has no topics or metrics on {cfg.bus} yet: not started, or another "
+                   f"run= / bus=?", err=True)
     if as_json:
         print(json.dumps(monitor.snapshot()), flush=True)
         monitor.close()

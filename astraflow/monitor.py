@@ -78,8 +78,9 @@ class RunMonitor:
         self.records += out
         return out
 
-    def lags(self) -> dict[tuple[str, str], int]:
-        """Per (consumer group, topic), the total lag in records from committed offsets (-1: unknown)."""
+    def lags(self) -> dict[tuple[str, str], int | None]:
+        """Per (consumer group, topic), the total lag in records from committed offsets (None: unknown,
+        e.g. the topic does not exist yet)."""
         pairs = [(self.names.raas_group(self.workflow), self.names.prompts)]
         for p in self.policies:
             pairs += [(self.names.filter_group(p), self.names.trajectories(p)),
@@ -89,7 +90,7 @@ class RunMonitor:
             try:
                 out[(group, topic)] = sum(self.admin.group_lag(group, topic).values())
             except BusError:
-                out[(group, topic)] = -1
+                out[(group, topic)] = None
         return out
 
     def rollout_throughput(self, window_s: float = 30.0) -> float:
@@ -125,7 +126,7 @@ class RunMonitor:
         for col in ("consumer group", "topic", "lag"):
             lag.add_column(col, justify="right" if col == "lag" else "left")
         for (group, topic), n in self.lags().items():
-            lag.add_row(group, topic, "?" if n < 0 else str(n))
+            lag.add_row(group, topic, "?" if n is None else str(n))
         return Group(t, lag)
 
     def close(self) -> None:

@@ -1,4 +1,10 @@
-"""`astraflow run` refuses a bad config before starting anything, naming what is wrong."""
+"""`astraflow run` refuses a bad config before starting anything, naming what is wrong; `status` says when
+a run is not on the bus."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -6,13 +12,32 @@ from astraflow.cli import app
 
 
 @pytest.mark.parametrize("override, message", [
-    ("workflow.name=nope", "unknown workflow 'nope'; registered: ["),
+    ("workflow.name=nope", "invalid run config examples/arith-tiny.yaml: unknown workflow 'nope'; registered: ["),
     ("policies.actor.filters=[{name: nope}]", "policy 'nope': unknown policy; known: accept_all"),
     ("policies.actor.model=/nonexistent", "/nonexistent is not an HF model directory"),
-    ("bus=kafka://127.0.0.1:1", "cannot reach Kafka at 127.0.0.1:1"),
+    ("bus=kafka://127.0.0.1:1", "cannot use bus kafka://127.0.0.1:1: cannot reach Kafka at 127.0.0.1:1"),
 ])
 def test_run_preflight_rejects_bad_config(tmp_path, override, message):
     result = CliRunner().invoke(app, ["run", "examples/arith-tiny.yaml", f"run_dir={tmp_path}", override])
     assert result.exit_code == 2
     assert message in result.output
     assert not (tmp_path / "logs").exists()  # nothing was started
+
+
+def test_unreachable_broker_is_one_line_on_stderr(tmp_path):
+    """librdkafka's own per-attempt "Connection refused" lines (C-level stderr) stay quiet."""
+    out = subprocess.run([sys.executable, "-m", "astraflow", "run", "examples/arith-tiny.yaml", f"run_dir={tmp_path}",
+                          "bus=kafka://127.0.0.1:1"], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
+    assert out.stderr.startswith("cannot use bus kafka://127.0.0.1:1: cannot reach Kafka")
+
+
+def test_status_of_a_run_not_on_the_bus(tmp_path):
+    result = CliRunner().invoke(app, ["status", "examples/arith-tiny.yaml", "run=nosuch", f"run_dir={tmp_path}",
+                                      "--seconds", "0.5", "--json"])
+    assert result.exit_code == 0
+    assert "run 'nosuch' has no topics or metrics on local://" in result.output
+    snapshot = json.loads(result.output.strip().splitlines()[-1])
+    assert set(snapshot["lag"].values()) == {None} and snapshot["rollout_tokens_per_s"] == 0.0

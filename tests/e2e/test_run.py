@@ -59,7 +59,7 @@ def test_status_shows_throughput_and_true_lag_during_a_run(tmp_path):
             time.sleep(2)
         assert live["policies"]["actor"]["train_tokens_per_s"] > 0, live
         assert live["rollout_tokens_per_s"] > 0, live
-        assert all(n >= 0 for n in live["lag"].values()), live
+        assert all(n is not None and n >= 0 for n in live["lag"].values()), live
     finally:
         out, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0
