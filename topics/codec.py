@@ -5,6 +5,7 @@ Numeric arrays inside ``body`` are msgpack ``bin`` holding little-endian buffers
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import TypeVar
 
@@ -17,9 +18,23 @@ from topics.schemas import SCHEMAS, Message
 M = TypeVar("M", bound=Message)
 
 DEFAULT_LEVEL = 1
-_compressors: dict[int, zstandard.ZstdCompressor] = {}
-_decompressor = zstandard.ZstdDecompressor()
 MAX_VALUE_BYTES = 1 << 30
+# zstd (de)compressor objects are not thread-safe (a trainer encodes metrics while its publisher thread
+# encodes announcements), so each thread keeps its own
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
 
 
 class MessageError(ValueError):
@@ -45,10 +60,7 @@ def encode(msg: Message, level: int = DEFAULT_LEVEL) -> bytes:
         raise TypeError(f"{type(msg).__name__} is not a registered message schema")
     body = msg.model_dump(mode="python")
     raw = msgpack.packb({"schema": msg.SCHEMA, "v": msg.VERSION, "body": body}, use_bin_type=True)
-    comp = _compressors.get(level)
-    if comp is None:
-        comp = _compressors[level] = zstandard.ZstdCompressor(level=level)
-    return comp.compress(raw)
+    return _compressor(level).compress(raw)
 
 
 def decode(
@@ -75,7 +87,7 @@ def decode(
     if not value:
         raise MessageError("empty value", **where)
     try:
-        raw = _decompressor.decompress(value, max_output_size=MAX_VALUE_BYTES)
+        raw = _decompressor().decompress(value, max_output_size=MAX_VALUE_BYTES)
     except zstandard.ZstdError as e:
         raise MessageError(f"not a zstd frame ({e})", **where) from None
     try:

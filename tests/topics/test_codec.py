@@ -1,4 +1,6 @@
 """The message codec: round trips, wire format and typed errors."""
+from concurrent.futures import ThreadPoolExecutor
+
 import msgpack
 import numpy as np
 import pytest
@@ -90,3 +92,15 @@ def test_routing_headers_repeat_metadata():
     assert h["policy"] == "actor" and h["model_version_min"] == "3" and h["model_version_max"] == "4"
     assert h["zero_adv"] == "1" and h["producer_id"] == "raas-0" and h["task_type"] == "arith"
     assert h["schema"] == "TrajectoryGroup" and int(h["ts_ms"]) > 1_600_000_000_000
+
+
+def test_threads_encode_and_decode_at_once():
+    """A trainer encodes metrics while its publisher thread encodes announcements: zstd objects are per thread."""
+    def worker(k):
+        for i in range(3000):
+            msg = Metric(component=f"c{k}", kind="trainer", step=i, values={"loss": float(i), "k": float(k)})
+            assert decode(encode(msg), Metric).values == {"loss": float(i), "k": float(k)}
+
+    with ThreadPoolExecutor(4) as pool:
+        for fut in [pool.submit(worker, k) for k in range(4)]:
+            fut.result()
