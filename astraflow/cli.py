@@ -32,14 +32,24 @@ def _load(config: Path, overrides: Optional[list[str]]):
         raise typer.Exit(2)
 
 
+def _admin(cfg):
+    """The config's bus admin, or exit with status 2 and one line saying why the bus cannot be used."""
+    from topics.bus import BusError, connect
+
+    try:
+        return connect(cfg.bus).admin()
+    except BusError as e:
+        typer.echo(f"cannot use bus {cfg.bus}: {e}", err=True)
+        raise typer.Exit(2)
+
+
 def _component_setup(name: str, cfg) -> threading.Event:
     """Logging for a component process, the run's topics (created if missing, so components can start
     in any order on any machine), and a stop event set by SIGTERM / SIGINT."""
-    from topics.bus import connect
     from topics.names import TopicNames
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
-    connect(cfg.bus).admin().ensure_run_topics(TopicNames(cfg.run), list(cfg.policies))
+    _admin(cfg).ensure_run_topics(TopicNames(cfg.run), list(cfg.policies))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -230,6 +240,7 @@ def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from topics.names import TopicNames
 
     cfg = _load(config, overrides)
+    _admin(cfg)
     monitor = RunMonitor(connect(cfg.bus), TopicNames(cfg.run), list(cfg.policies), cfg.workflow.name)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

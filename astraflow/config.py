@@ -173,7 +173,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
+            raise ConfigError(f"config file {p} is a directory; give a YAML file (see examples/)" if p.is_dir()
+                              else f"config file {p} does not exist")
         try:
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
@@ -184,7 +185,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. policies.actor.steps=5)")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({e.problem})") from None
+        _set_dotted(tree, key.strip(), value)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:

@@ -111,20 +111,24 @@ def plot_rewards(views: dict, path: Path) -> None:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Check what the config names before any process starts: the workflow and its options, each
-    policy's filter chain and model directory, and that the bus answers.
+    """Check what the config names before any process starts: the workflow and its options, the data
+    sources, each policy's filter chain and model directory, and that the bus answers.
 
     Raises:
         KeyError, ValueError, TypeError: an unknown workflow, role, option or filter (the message lists the known ones).
+        producers.sources.SourceError: a data source that is neither built in nor a readable dataset.
         FileNotFoundError: a model directory that does not exist.
         topics.bus.BusError: the bus cannot be reached.
     """
     from astraflow.models import resolve_model
     from policies.base import Filter
     from policies.registry import build_chain
+    from producers.sources import load_source
     from producers.workflows import get_workflow
 
     get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None, **cfg.workflow.options)
+    for src in cfg.data.sources:
+        load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed)
     for pc in cfg.policies.values():
         build_chain(pc.filters, Filter)
         if pc.model != "tiny":

@@ -15,6 +15,7 @@ from astraflow.cli import app
     ("workflow.name=nope", "invalid run config examples/arith-tiny.yaml: unknown workflow 'nope'; registered: ["),
     ("policies.actor.filters=[{name: nope}]", "policy 'nope': unknown policy; known: accept_all"),
     ("policies.actor.model=/nonexistent", "/nonexistent is not an HF model directory"),
+    ("data.sources=[{name: nosuchdataset}]", "unknown prompt source 'nosuchdataset': neither a built-in"),
     ("bus=kafka://127.0.0.1:1", "cannot use bus kafka://127.0.0.1:1: cannot reach Kafka at 127.0.0.1:1"),
 ])
 def test_run_preflight_rejects_bad_config(tmp_path, override, message):
@@ -41,3 +42,11 @@ def test_status_of_a_run_not_on_the_bus(tmp_path):
     assert "run 'nosuch' has no topics or metrics on local://" in result.output
     snapshot = json.loads(result.output.strip().splitlines()[-1])
     assert set(snapshot["lag"].values()) == {None} and snapshot["rollout_tokens_per_s"] == 0.0
+
+
+@pytest.mark.parametrize("command", [["status"], ["raas"], ["trainer", "--policy", "actor"],
+                                     ["policy", "--policy", "actor"], ["acquire"]])
+def test_component_commands_refuse_an_unusable_bus_in_one_line(command):
+    result = CliRunner().invoke(app, [*command, "examples/arith-tiny.yaml", "bus=foo://x"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "cannot use bus foo://x: bus URL 'foo://x': unknown scheme 'foo' (use kafka:// or local://)"

@@ -30,6 +30,10 @@ def test_errors_name_the_field_and_reason(tmp_path):
         load_config(p, ["steps"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="is a directory; give a YAML file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"override 'policies.actor.steps=\[1': the value is not valid YAML"):
+        load_config(p, ["policies.actor.steps=[1"])
     with pytest.raises(ConfigError) as e:
         load_config(None, ["policies.actor.model=tiny", "workflow.roles.critic=critic"])
     # a whole-config check names its fields itself, without pydantic's "Value error," prefix
