@@ -67,11 +67,9 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     from topics.bus import BusError
 
     cfg = _load(config, overrides)
+    _admin(cfg)
     try:
         preflight(cfg)
-    except BusError as e:
-        typer.echo(f"cannot use bus {cfg.bus}: {e}", err=True)
-        raise typer.Exit(2)
     except (KeyError, ValueError, TypeError, FileNotFoundError) as e:
         reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # a KeyError's str() is its repr
         typer.echo(f"invalid run config {config}: {reason}", err=True)

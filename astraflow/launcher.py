@@ -112,13 +112,12 @@ def plot_rewards(views: dict, path: Path) -> None:
 
 def preflight(cfg: RunConfig) -> None:
     """Check what the config names before any process starts: the workflow and its options, the data
-    sources, each policy's filter chain and model directory, and that the bus answers.
+    sources, and each policy's filter chain and model directory (the bus is checked by the caller).
 
     Raises:
         KeyError, ValueError, TypeError: an unknown workflow, role, option or filter (the message lists the known ones).
         producers.sources.SourceError: a data source that is neither built in nor a readable dataset.
         FileNotFoundError: a model directory that does not exist.
-        topics.bus.BusError: the bus cannot be reached.
     """
     from astraflow.models import resolve_model
     from policies.base import Filter
@@ -133,7 +132,6 @@ def preflight(cfg: RunConfig) -> None:
         build_chain(pc.filters, Filter)
         if pc.model != "tiny":
             resolve_model(pc.model)
-    connect(cfg.bus).admin()
 
 
 class Launcher:
