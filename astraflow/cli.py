@@ -67,13 +67,13 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     from topics.bus import BusError
 
     cfg = _load(config, overrides)
-    _admin(cfg)
     try:
         preflight(cfg)
     except (KeyError, ValueError, TypeError, FileNotFoundError) as e:
         reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # a KeyError's str() is its repr
         typer.echo(f"invalid run config {config}: {reason}", err=True)
         raise typer.Exit(2)
+    _admin(cfg)  # after the checks above, so a refused config leaves nothing behind (a local bus is a folder)
     try:
         summary = Launcher(cfg, config.absolute(), list(overrides or [])).run()
     except (RuntimeError, BusError) as e:
