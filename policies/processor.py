@@ -89,7 +89,8 @@ class FilterProcessor:
         self.max_records, self.poll_timeout_s, self.linger_s = max_records, poll_timeout_s, linger_s
         self.metrics_interval_s = metrics_interval_s
         self.producer = bus.producer(transactional_id=f"{run}.filter.{policy}.{instance}")
-        self.consumer = bus.consumer(self.group, client_id=self.component, session_timeout_s=session_timeout_s)
+        self.consumer = bus.consumer(self.group, client_id=self.component, session_timeout_s=session_timeout_s,
+                                     instance_id=self.component)
         self.consumer.subscribe([self.source])
         self.reader = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, TrajectoryGroup)
         self.pending: Counter = Counter()  # counts not yet in a committed metrics record
@@ -200,7 +201,8 @@ class CuratorGate:
         self.metrics_interval_s = metrics_interval_s
         self.version = -1
         self.producer = bus.producer()
-        self.outcomes = bus.consumer(self.names.curator_group(policy), client_id=self.component)
+        self.outcomes = bus.consumer(self.names.curator_group(policy), client_id=self.component,
+                                     instance_id=self.component)
         self.outcomes.subscribe([self.names.outcomes])
         self.weights = bus.consumer(None, client_id=self.component)
         self.weights.seek_to_beginning()  # before assign: the assignment then starts at the beginning

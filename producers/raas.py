@@ -91,7 +91,8 @@ class RaasWorker:
         self.admin = self.bus.admin()
         self.producer = self.bus.producer()
         self.consumer = self.bus.consumer(self.names.raas_group(cfg.workflow.name),
-                                          session_timeout_s=cfg.raas.session_timeout_s, client_id=self.id)
+                                          session_timeout_s=cfg.raas.session_timeout_s, client_id=self.id,
+                                          instance_id=self.id)
         self.consumer.subscribe([self.names.prompts])
         self.prompts = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, Prompt)
         self.paused_reason = ""

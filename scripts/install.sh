@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# Create .venv at the repo root and install AstraFlow with its dev extra.
-# Re-running is cheap: the install is skipped while setup.cfg is unchanged.
-#   scripts/install.sh [EXTRAS]     (default EXTRAS: dev)
+# Create .venv at the repo root with exactly the versions in
+# requirements/<PROFILE>.lock, then install AstraFlow itself (editable, no deps).
+# Re-running is cheap: nothing happens while the lock and setup.cfg are unchanged.
+#   scripts/install.sh [PROFILE]     PROFILE: dev (default, what CI uses) | gpu | tracking
+# Unlocked installs are plain pip: `pip install astraflow` or `pip install -e '.[dev]'`.
+# Refresh the locks with scripts/lock.sh (a deliberate commit).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-extras="${1:-dev}"
+profile="${1:-dev}"
+lock="requirements/$profile.lock"
+if [ ! -f "$lock" ]; then
+  echo "[install] unknown profile '$profile': no $lock (profiles: $(ls requirements | sed 's/\.lock$//' | tr '\n' ' '))" >&2
+  exit 2
+fi
 py="${PYTHON:-python3}"
-stamp=".venv/.astraflow-deps"
-want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)-$extras"
+stamp=".venv/.astraflow-lock"
+want="$profile-$(cat "$lock" setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$py" -m venv .venv
-echo "[install] pip install -e '.[$extras]' into .venv (torch is large: this can take several minutes)" >&2
-.venv/bin/pip install --progress-bar off -q -e ".[$extras]"
+echo "[install] $lock into .venv (torch is large: this can take several minutes)" >&2
+rm -f "$stamp"
+scripts/uv.sh pip sync --python .venv/bin/python --require-hashes "$lock"
+scripts/uv.sh pip install --python .venv/bin/python --no-deps -e .
 echo "$want" > "$stamp"

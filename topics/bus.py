@@ -260,11 +260,19 @@ class Bus(abc.ABC):
 
     @abc.abstractmethod
     def consumer(self, group: str | None, *, read_committed: bool = True,
-                 session_timeout_s: float = 10.0, client_id: str | None = None) -> Consumer:
+                 session_timeout_s: float = 10.0, client_id: str | None = None,
+                 instance_id: str | None = None) -> Consumer:
         """A consumer in ``group`` (None: no group; use :meth:`Consumer.assign`).
 
         ``session_timeout_s``: a member silent this long is considered dead and
         its partitions are reassigned.
+
+        ``instance_id``: static membership (Kafka's ``group.instance.id``, KIP-345). A
+        member that joins with the instance id of an earlier member replaces it at once and
+        takes back its partitions, instead of waiting out the old session; the earlier member,
+        if still alive, is fenced out of the group. On Kafka a static
+        member's close does not hand its partitions over before its session times out. One id per
+        component instance, e.g. ``trainer.<policy>`` or ``raas-<worker id>``.
         """
 
     @abc.abstractmethod

@@ -159,10 +159,11 @@ class KafkaConsumer(Consumer):
     """A confluent-kafka consumer: manual commits, pending seeks applied on assignment."""
 
     def __init__(self, bootstrap: str, group: str | None, read_committed: bool = True,
-                 session_timeout_s: float = 10.0, client_id: str | None = None):
+                 session_timeout_s: float = 10.0, client_id: str | None = None, instance_id: str | None = None):
         self.group = group
         session_ms = int(session_timeout_s * 1000)
-        self._c = _Consumer({
+        static = {"group.instance.id": instance_id} if instance_id and group else {}
+        self._c = _Consumer({**static,
             "bootstrap.servers": bootstrap,
             "group.id": group or f"astraflow-free-{uuid.uuid4().hex}",
             "client.id": client_id or f"astraflow-{uuid.uuid4().hex[:8]}",
@@ -435,8 +436,9 @@ class KafkaBus(Bus):
     def producer(self, transactional_id: str | None = None) -> KafkaProducer:
         return KafkaProducer(self.bootstrap, transactional_id)
 
-    def consumer(self, group, *, read_committed=True, session_timeout_s=10.0, client_id=None) -> KafkaConsumer:
-        return KafkaConsumer(self.bootstrap, group, read_committed, session_timeout_s, client_id)
+    def consumer(self, group, *, read_committed=True, session_timeout_s=10.0, client_id=None,
+                 instance_id=None) -> KafkaConsumer:
+        return KafkaConsumer(self.bootstrap, group, read_committed, session_timeout_s, client_id, instance_id)
 
     def admin(self) -> KafkaAdmin:
         return KafkaAdmin(self.bootstrap)

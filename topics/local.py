@@ -703,7 +703,7 @@ class LocalConsumer(Consumer):
     """Consumer of the embedded bus; a group member when subscribed (see the module docstring)."""
 
     def __init__(self, bus: "LocalBus", group: str | None, read_committed: bool, session_timeout_s: float,
-                 client_id: str | None):
+                 client_id: str | None, instance_id: str | None = None):
         if session_timeout_s <= 0:
             raise BusError(f"session_timeout_s must be > 0, got {session_timeout_s}")
         self._bus = bus
@@ -713,6 +713,7 @@ class LocalConsumer(Consumer):
         self._heartbeat_s = min(1.0, session_timeout_s / 4)
         self._check_s = min(0.25, self._heartbeat_s)     # how often to look for expired members
         self._member_id = f"{client_id or 'consumer'}-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._instance_id = instance_id
         self._group = _Group(bus.root, group) if group is not None else None
         self._topics: list[str] | None = None            # subscribed topics (None: not subscribed)
         self._assigned = False
@@ -806,10 +807,19 @@ class LocalConsumer(Consumer):
             now_ms = _now_ms()
             dirty = False
             me = members.get(self._member_id)
+            if self._member_id in state.get("fenced", []):
+                raise BusError(f"consumer {self._member_id} of group {self.group} was fenced: another process "
+                               f"joined as static member {self._instance_id!r}")
             if me is None:                          # joining, or expired by the others: start afresh
                 self._drop(list(self._readers))
                 me = members[self._member_id] = {"pid": os.getpid(), "host": _HOST, "owned": [],
-                                                 "session_ms": self._session_ms, "heartbeat_ms": now_ms}
+                                                 "session_ms": self._session_ms, "heartbeat_ms": now_ms,
+                                                 "instance": self._instance_id}
+                if self._instance_id is not None:   # static membership: replace the earlier holder at once
+                    for mid, m in list(members.items()):
+                        if mid != self._member_id and m.get("instance") == self._instance_id:
+                            del members[mid]
+                            state["fenced"] = (state.get("fenced", []) + [mid])[-100:]
                 dirty = True
             if me.get("topics") != self._topics:
                 me["topics"] = self._topics
@@ -1046,8 +1056,9 @@ class LocalBus(Bus):
         return LocalProducer(self, transactional_id)
 
     def consumer(self, group: str | None, *, read_committed: bool = True,
-                 session_timeout_s: float = 10.0, client_id: str | None = None) -> LocalConsumer:
-        return LocalConsumer(self, group, read_committed, session_timeout_s, client_id)
+                 session_timeout_s: float = 10.0, client_id: str | None = None,
+                 instance_id: str | None = None) -> LocalConsumer:
+        return LocalConsumer(self, group, read_committed, session_timeout_s, client_id, instance_id)
 
     def admin(self) -> LocalAdmin:
         return LocalAdmin(self)

@@ -2,16 +2,17 @@
 
 Layout under a checkpoint root::
 
-    ckpt-00000012/
+    ckpt-00000012/        (a later save of the same version: ckpt-00000012.1, .2, ...)
         model/            save_pretrained directory (safetensors), loadable by AutoModelForCausalLM
         optimizer.pt      torch.save of the optimizer state_dict
         state.pt          torch.save of {"serving": ..., "policies": ..., "extra": ...}
         meta.json         {"version", "offsets": [[topic, partition, offset], ...], "created_ts", ...}
     LATEST                the name of the newest complete checkpoint
 
-A checkpoint is written into a temporary directory and renamed into place, then
-``LATEST`` is replaced atomically; a crash at any point leaves the previous
-checkpoint intact and named by ``LATEST``.
+A checkpoint is written into a temporary directory and renamed into place under
+a name no earlier save used, then ``LATEST`` is replaced atomically, and only then
+are older checkpoints pruned; nothing ``LATEST`` names is ever removed or
+overwritten, so a crash at any point leaves a complete checkpoint named by ``LATEST``.
 """
 from __future__ import annotations
 
@@ -79,7 +80,11 @@ def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, o
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    name = f"ckpt-{version:08d}"
+    for orphan in root.glob(".ckpt-*"):  # a save killed before its rename (one writer per root)
+        shutil.rmtree(orphan, ignore_errors=True)
+    base = f"ckpt-{version:08d}"
+    resaves = [_order(p)[1] for p in root.glob(f"{base}*") if p.is_dir()]
+    name = base if not resaves else f"{base}.{max(resaves) + 1}"  # never overwrite: LATEST may name it
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
         model.save_pretrained(tmp / "model")
@@ -93,8 +98,6 @@ def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, o
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         final = root / name
-        if final.exists():  # a re-save of the same version (after a restart): replace it
-            shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(root)
     except BaseException:
@@ -104,10 +107,16 @@ def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, o
     latest_tmp.write_text(name)
     os.replace(latest_tmp, root / LATEST)
     _fsync_dir(root)
-    complete = sorted(p for p in root.glob("ckpt-*") if p.is_dir())
+    complete = sorted((p for p in root.glob("ckpt-*") if p.is_dir()), key=_order)
     for old in complete[:-max(keep, 1)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _order(path: Path) -> tuple[int, int]:
+    """(version, re-save number) of a checkpoint directory ``ckpt-VVVVVVVV[.K]``."""
+    version, _, resave = path.name.removeprefix("ckpt-").partition(".")
+    return int(version), int(resave or 0)
 
 
 def load_latest(root: str | Path) -> Checkpoint | None:

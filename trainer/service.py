@@ -93,7 +93,8 @@ class TrainerService:
         for topic in (self.names.samples(policy), self.names.metrics, self.names.deadletter):
             admin.create_topic(topic, partitions=4)
         self.producer = self.bus.producer()
-        self.consumer = self.bus.consumer(self.names.trainer_group(policy), client_id=f"trainer.{policy}.{os.getpid()}")
+        self.consumer = self.bus.consumer(self.names.trainer_group(policy), client_id=f"trainer.{policy}.{os.getpid()}",
+                                          instance_id=f"trainer.{policy}")
         self.replay = replay
         self.serving = ServingStage(
             self.consumer, self.producer, self.names.samples(policy), self.names.deadletter,
@@ -106,6 +107,7 @@ class TrainerService:
         self.barrier = VersionBarrier(self.bus, self.names, cfg.barrier_peers) if cfg.barrier_peers else None
         self._pending: list[dict[str, Any]] = []
         self._committed: dict = {}
+        self._unassigned_logged = time.monotonic()
         self._resume()
 
     @property
@@ -171,7 +173,11 @@ class TrainerService:
                             self.checkpoint()
                         except BusError as e:
                             log.warning("idle checkpoint: offsets not committed yet (%s)", e)
-                    if cfg.idle_exit_s is not None and time.monotonic() - last_data > cfg.idle_exit_s:
+                    if not self.consumer.assignment():
+                        # Waiting for the group to hand over partitions is not idleness: a restarted
+                        # member may wait out a rebalance before it can see any data.
+                        last_data = self._note_unassigned()
+                    elif cfg.idle_exit_s is not None and time.monotonic() - last_data > cfg.idle_exit_s:
                         break
                     continue
                 last_data = time.monotonic()
@@ -195,6 +201,16 @@ class TrainerService:
         return {"version": self.trainer.version, "steps_run": steps_run,
                 "dropped_stale": self.serving.total_dropped_stale, "duplicates": self.serving.total_duplicates,
                 "wall_s": time.perf_counter() - start}
+
+    def _note_unassigned(self) -> float:
+        """Log, at most every 30 s, that no partition of ``samples.<policy>`` is assigned; returns now."""
+        now = time.monotonic()
+        if now - self._unassigned_logged >= 30.0:
+            self._unassigned_logged = now
+            log.warning("trainer %s: waiting for partitions of %s from consumer group %s (none assigned)",
+                        self.config.trainer.policy, self.names.samples(self.config.trainer.policy),
+                        self.names.trainer_group(self.config.trainer.policy))
+        return now
 
     def close(self) -> None:
         """Leave the consumer group, stop reading announcements and flush the producer."""

@@ -144,14 +144,8 @@ def test_member_killed_before_commit_its_records_go_to_another(bus_url, tmp_path
                               env=env, cwd=REPO)
 
     def member_state() -> tuple[set[TopicPartition], set[bytes]]:
-        assignment, values = set(), set()
-        for line in out.read_text().splitlines():
-            item = json.loads(line)
-            if "assignment" in item:
-                assignment = {TopicPartition(*tp) for tp in item["assignment"]}
-            else:
-                values.add(item["record"][2].encode())
-        return assignment, values
+        assignment, values = _member_log(out)
+        return assignment, set(values)
 
     got: set[bytes] = set()
 
@@ -188,6 +182,53 @@ def test_member_killed_before_commit_its_records_go_to_another(bus_url, tmp_path
     assert got == set(sent)                                    # ... and redelivered to the survivor
     assert set(survivor.assignment()) == all_tps(topic, 4)
     survivor.close()
+
+
+def _member_log(path: Path) -> tuple[set[TopicPartition], list[bytes]]:
+    """The last assignment and every record value a :mod:`group_member` process wrote to ``path``."""
+    assignment, values = set(), []
+    for line in path.read_text().splitlines():
+        item = json.loads(line)
+        if "assignment" in item:
+            assignment = {TopicPartition(*tp) for tp in item["assignment"]}
+        else:
+            values.append(item["record"][2].encode())
+    return assignment, values
+
+
+def test_restarted_static_member_takes_its_partitions_back_before_its_session_expires(bus_url, tmp_path):
+    # A long session: a dynamic member's successor would wait it out (30 s) before getting any partition.
+    bus = connect(bus_url)
+    topic, group, session_s = unique("static"), unique("g"), 30.0
+    bus.admin().create_topic(topic, partitions=4)
+    sent = produce(bus, topic, 20, 4)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+    def start(out: Path) -> subprocess.Popen:
+        out.touch()
+        return subprocess.Popen([sys.executable, str(HELPER), bus_url, topic, group, str(out), str(session_s),
+                                 "member-0"], env=env, cwd=REPO)
+
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    member = start(first)
+    try:
+        deadline = time.monotonic() + 60
+        while sorted(_member_log(first)[1]) != sorted(sent):
+            assert time.monotonic() < deadline, f"first member got {_member_log(first)}"
+            assert member.poll() is None, "group member process exited"
+            time.sleep(0.1)
+        member.kill()
+        member.wait()
+        member = start(second)
+        t0 = time.monotonic()
+        while sorted(_member_log(second)[1]) != sorted(sent):   # nothing was committed: all redelivered
+            assert time.monotonic() - t0 < session_s / 2, f"restarted member got {_member_log(second)}"
+            assert member.poll() is None, "group member process exited"
+            time.sleep(0.1)
+        assert _member_log(second)[0] == all_tps(topic, 4)
+    finally:
+        member.kill()
+        member.wait()
 
 
 def test_replay_under_a_new_group_gives_the_identical_sequence(bus_url):

@@ -1,4 +1,9 @@
-"""Atomic checkpoints: round trip, pruning, a crashed write leaves the previous one."""
+"""Atomic checkpoints: round trip, pruning, a crashed or killed write leaves a complete one."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -6,6 +11,10 @@ from topics.bus import TopicPartition
 from trainer.checkpoint import LATEST, load_latest, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
+from trainer.model import load_causal_lm
+
+KILLER = Path(__file__).with_name("checkpoint_killer.py")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_round_trip_prune_and_crash(tiny_model_dir, make_group, tmp_path, monkeypatch):
@@ -39,8 +48,28 @@ def test_round_trip_prune_and_crash(tiny_model_dir, make_group, tmp_path, monkey
     save_checkpoint(root, version=t.version, model=t.model, optimizer=t.optimizer, offsets={}, keep=1)
     assert load_latest(root).version == 2 and not (root / "ckpt-00000001").exists()
 
+    # a re-save of the same version gets a new name, so the one LATEST names is never overwritten
+    save_checkpoint(root, version=t.version, model=t.model, optimizer=t.optimizer, offsets=offsets, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == [LATEST, "ckpt-00000002.1"]
+    assert load_latest(root).offsets == offsets
+
 
 def test_latest_naming_a_missing_checkpoint_is_an_error(tmp_path):
     (tmp_path / LATEST).write_text("ckpt-00000009")
     with pytest.raises(ValueError, match="unreadable"):
         load_latest(tmp_path)
+
+
+@pytest.mark.parametrize("call", ["rename", "replace", "rmtree"])
+def test_a_resave_killed_at_any_step_leaves_a_complete_latest(tiny_model_dir, tmp_path, call):
+    # A restarted trainer re-saves the version it resumed at; SIGKILL it inside that save.
+    root = tmp_path / "ckpt"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(KILLER), str(root), str(tiny_model_dir), call],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    ck = load_latest(root)
+    assert ck is not None and ck.version == 1
+    # before LATEST moved: the first save; after it: the re-save
+    assert ck.offsets == {TopicPartition("t", 0): 5 if call in ("rename", "replace") else 9}
+    assert sum(p.numel() for p in load_causal_lm(ck.model_dir, "float32").parameters()) > 0
