@@ -22,6 +22,20 @@ def _require_kafka() -> str:
     return f"kafka://{KAFKA}"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with the reason, where no CUDA device is present."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: no CUDA device on this machine")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
 @pytest.fixture
 def kafka_url() -> str:
     """The test broker's bus URL."""

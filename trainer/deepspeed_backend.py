@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-2/3 backend for the :class:`~trainer.loop.Trainer` (several GPUs, through its launcher).
 
-Import this module only when ``TrainerConfig.backend == "deepspeed"``: it imports
-``deepspeed`` (a GPU-only dependency, extra ``gpu``). Start the trainer with the
+:class:`DeepSpeedBackend` imports ``deepspeed`` (a GPU-only dependency, extra ``gpu``)
+when it is built; :func:`deepspeed_config` needs neither deepspeed nor a GPU. Start the trainer with the
 DeepSpeed launcher, e.g. ``deepspeed --num_gpus 8 -m trainer ...``.
 
 Gradient accumulation is driven by the trainer: each micro-batch loss is
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import deepspeed
 import torch
 
 from trainer.config import TrainerConfig
@@ -56,6 +55,8 @@ class DeepSpeedBackend:
     def __init__(self, model: torch.nn.Module, config: TrainerConfig):
         if not torch.cuda.is_available():
             raise RuntimeError("the deepspeed backend needs CUDA devices; use backend 'torch' on CPU")
+        import deepspeed
+
         ds = deepspeed_config(config, config.zero_stage, config.deepspeed)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                                  config=ds)

@@ -109,6 +109,16 @@ def test_cli_bad_input_exits_2(tiny_model_dir, tmp_path, args, message):
 def test_live_evaluates_each_new_version_and_stops_on_sigterm(tiny_model_dir, engine, tmp_path, bus_url):
     run = f"ev-{uuid.uuid4().hex[:8]}"
     config = write_config(tmp_path, tiny_model_dir, run, bus_url)
+    # What version 1 (all-zero: uniform sampling) scores, and what the base model scores, on the same
+    # prompts and seeds (cfg.seed 0) as the live evaluator: distinguishable, so that evaluating the wrong
+    # version cannot pass.
+    prompts = load_benchmark("arith", limit=8)
+    args = dict(k=2, temperature=0.6, max_new_tokens=8, seed=0, progress=False)
+    base = evaluate(engine, prompts, **args).benchmarks["arith"].pass_at_1
+    zero_engine = HFEngine(tiny_model_dir)
+    zero_engine.load_weights(zeroed(zero_engine), 1)
+    want = evaluate(zero_engine, prompts, **args).benchmarks["arith"].pass_at_1
+    assert base > want, (base, want)
     bus, names = connect(bus_url), TopicNames(run)
     bus.admin().ensure_run_topics(names, ["actor"])
     pub = Publisher(WeightStore((tmp_path / "run" / "weights").as_uri(), run), bus, names, "actor")
@@ -118,7 +128,7 @@ def test_live_evaluates_each_new_version_and_stops_on_sigterm(tiny_model_dir, en
 
     log = (tmp_path / "eval.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "astraflow", "eval", str(config), "--live", "--benchmark",
-                             "arith", "--limit", "8", "--k", "2"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+                             "arith", "--limit", "8", "--k", "2", "--temperature", "0.6"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         consumer = bus.consumer(None)
         consumer.assign([TopicPartition(names.metrics, p) for p in bus.admin().end_offsets(names.metrics)])
@@ -132,7 +142,7 @@ def test_live_evaluates_each_new_version_and_stops_on_sigterm(tiny_model_dir, en
         assert proc.poll() is None, (tmp_path / "eval.log").read_text()
         last = metrics[-1]
         assert (last.kind, last.policy, last.step) == ("eval", "actor", 1)
-        assert 0.0 <= last.values["pass@1.arith"] <= 1.0 and "stderr.arith" in last.values
+        assert last.values["pass@1.arith"] == pytest.approx(want) and "stderr.arith" in last.values
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

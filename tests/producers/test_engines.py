@@ -103,8 +103,6 @@ def test_bad_sampling_params_are_rejected():
 
 @pytest.mark.gpu
 def test_sglang_engine_logprobs_and_weight_update(tiny_model_dir, tmp_path):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     pytest.importorskip("sglang")
     from producers.engines import SGLangEngine
 
@@ -113,19 +111,31 @@ def test_sglang_engine_logprobs_and_weight_update(tiny_model_dir, tmp_path):
     try:
         ref = HFEngine(tiny_model_dir, dtype=torch.float32)
         batch = _encode(ref, PROMPTS)
-        gens = eng.generate(batch, SamplingParams(max_new_tokens=8, temperature=0.7, stop_token_ids=()))
-        diffs = []
-        with torch.inference_mode():
-            for prompt, g in zip(batch, gens):
-                assert len(g.output_ids) == 8
-                ids = torch.tensor([prompt + g.output_ids.tolist()])
-                logits = ref.model(ids).logits[0, len(prompt) - 1:-1].float()
-                lp = torch.log_softmax(logits / 0.7, -1).gather(1, ids[0, len(prompt):, None])[:, 0]
-                diffs.append(np.abs(lp.numpy() - g.logprobs))
-        assert np.concatenate(diffs).mean() < 1e-2
+
+        def logprob_error() -> float:
+            """Mean |server logprob - reference logprob| of 8 sampled tokens per prompt, at T=0.7."""
+            gens = eng.generate(batch, SamplingParams(max_new_tokens=8, temperature=0.7, stop_token_ids=()))
+            diffs = []
+            with torch.inference_mode():
+                for prompt, g in zip(batch, gens):
+                    assert len(g.output_ids) == 8
+                    ids = torch.tensor([prompt + g.output_ids.tolist()])
+                    logits = ref.model(ids).logits[0, len(prompt) - 1:-1].float()
+                    lp = torch.log_softmax(logits / 0.7, -1).gather(1, ids[0, len(prompt):, None])[:, 0]
+                    diffs.append(np.abs(lp.numpy() - g.logprobs))
+            return float(np.concatenate(diffs).mean())
+
+        assert logprob_error() < 1e-2
+        # New weights (the output layer tripled: a different distribution), pushed to the server
+        # in place: its logprobs must follow them, and no longer match the old weights.
         state = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+        head = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"
+        state[head] *= 3.0
         eng.load_weights(state, version=1)
         assert eng.version == 1
+        assert logprob_error() > 0.1  # the reference still holds the old weights
+        ref.model.load_state_dict(state)
+        assert logprob_error() < 1e-2
     finally:
         eng.close()
 
