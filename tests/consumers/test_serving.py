@@ -29,9 +29,10 @@ def setup(bus_url):
         admin.create_topic(t, partitions=2)
     producer = bus.producer()
 
-    def produce(groups, raw=()):
+    def produce(groups, raw=(), key=None):
+        """Send ``groups`` (keyed by prompt id, or all by ``key``: one partition, one fetch) and ``raw`` bytes."""
         for g in groups:
-            producer.send(names.samples("pol"), encode(g), key=g.prompt_id, headers=headers_for(g))
+            producer.send(names.samples("pol"), encode(g), key=key or g.prompt_id, headers=headers_for(g))
         for value in raw:
             producer.send(names.samples("pol"), value, key=b"junk")
         producer.flush()
@@ -67,15 +68,17 @@ def test_stale_dropped_duplicates_dropped_garbage_dead_lettered_earliest_first(s
 
 def test_staleness_is_checked_when_served_and_offsets_commit_lowest_buffered(setup):
     bus, names, produce, stage = setup
-    produce([group(v) for v in (3, 4, 6)])
+    produce([group(v) for v in (3, 4, 6)], key="one-partition")  # all polled before the first batch
     s = stage(batch_groups=1, max_staleness=2)
     first = s.next_batch(version=5, timeout_s=20)
     assert [g.min_version for g in first.groups] == [3]
-    # 4 and 6 are still buffered: committing must not pass them
-    buffered = {g.partition: g.offset for g in s._buffer}
-    for tp, off in s.offsets_to_commit().items():
-        if tp.partition in buffered:
-            assert off <= buffered[tp.partition]
+    # 4 and 6 are still buffered: the commit point of their partition is the lowest buffered offset
+    assert sorted(g.min_version for g in s._buffer) == [4, 6]
+    lowest: dict[int, int] = {}
+    for g in s._buffer:
+        lowest[g.partition] = min(lowest.get(g.partition, g.offset), g.offset)
+    commits = {tp.partition: off for tp, off in s.offsets_to_commit().items()}
+    assert {p: commits[p] for p in lowest} == lowest
     # the trainer moved on to version 7: 4 is now 3 versions old and must never be served
     second = s.next_batch(version=7, timeout_s=2)
     assert [g.min_version for g in second.groups] == [6]

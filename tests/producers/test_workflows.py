@@ -70,10 +70,14 @@ def test_single_turn(engine):
         get_workflow("single_turn").run(prompt, {"other": engine}, SAMPLING)
 
 
-def test_solve_verify_retry(engine, tiny_model_dir):
+@pytest.mark.parametrize("verdicts", [None, ["y", "n"] * 4])
+def test_solve_verify_retry(engine, tiny_model_dir, verdicts):
+    """With the tiny model as verifier (whatever it decides), and with scripted verdicts that accept
+    samples 0, 2, 4, 6 and reject 1, 3, 5, 7, so that both branches surely run."""
     from producers.rewards import score
 
-    verifier = HFEngine(tiny_model_dir, dtype=torch.float32, version=4)
+    verifier = (HFEngine(tiny_model_dir, dtype=torch.float32, version=4) if verdicts is None
+                else ScriptedEngine(engine.tokenizer, [verdicts], version=4))
     prompt = arith("solve_verify_retry", g=8)
     wf = get_workflow("solve_verify_retry", verifier_max_new_tokens=3)
     solver_group, verifier_group = wf.run(prompt, {"solver": engine, "verifier": verifier}, SAMPLING)
@@ -105,11 +109,14 @@ def test_solve_verify_retry(engine, tiny_model_dir):
             assert feedback.startswith("\nVerifier: ") and feedback.endswith("Try again: ")
             second = tok.decode(s.input_ids[b0:b1].tolist(), skip_special_tokens=True)
             assert s.reward == score(prompt, second)
-    print(f"{retried} of 8 retried")
+    if verdicts is not None:
+        assert retried == 4
 
 
 class ScriptedEngine(Engine):
-    """An engine that replies with fixed texts, one per generate call, for driving the tool loop."""
+    """An engine that replies with fixed texts, one reply per generate call, for driving workflows.
+
+    A reply is a text for every prompt of the batch, or a list of texts, one per prompt."""
 
     def __init__(self, tokenizer, replies, version=7):
         self._tok, self.replies, self._version, self.seen = tokenizer, list(replies), version, []
@@ -124,9 +131,12 @@ class ScriptedEngine(Engine):
 
     def generate(self, batch, sampling):
         self.seen.append([list(b) for b in batch])
-        ids = np.array(self._tok.encode(self.replies.pop(0), add_special_tokens=False) + [self._tok.eos_token_id],
-                       np.int32)
-        return [Generation(ids, np.full(len(ids), -0.5, np.float32), "stop", self._version) for _ in batch]
+        reply = self.replies.pop(0)
+        out = []
+        for text in reply if isinstance(reply, list) else [reply] * len(batch):
+            ids = np.array(self._tok.encode(text, add_special_tokens=False) + [self._tok.eos_token_id], np.int32)
+            out.append(Generation(ids, np.full(len(ids), -0.5, np.float32), "stop", self._version))
+        return out
 
     def load_weights(self, state_dict, version):
         self._version = version
