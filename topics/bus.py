@@ -167,7 +167,12 @@ class Consumer(abc.ABC):
 
     @abc.abstractmethod
     def pause(self, partitions: list[TopicPartition]) -> None:
-        """Stop returning records from ``partitions`` (membership is kept)."""
+        """Stop returning records from ``partitions`` (membership is kept).
+
+        A pause lasts while this member owns the partition: one revoked by a rebalance
+        comes back unpaused (pause it again if the member still wants it paused). A pause
+        of a partition not yet assigned applies when it is assigned.
+        """
 
     @abc.abstractmethod
     def resume(self, partitions: list[TopicPartition]) -> None:

@@ -199,10 +199,16 @@ class KafkaConsumer(Consumer):
         self._assigned = set(tps)
         if self._paused & self._assigned:
             consumer.pause([_tp(tp) for tp in self._paused & self._assigned])
+        if self._assigned - self._paused:  # librdkafka keeps a partition's pause flag across revoke and assign
+            consumer.resume([_tp(tp) for tp in self._assigned - self._paused])
 
     def _on_revoke(self, consumer, partitions: list[_TP]) -> None:
+        # A pause belongs to the ownership, as on the embedded bus: a partition that comes back later
+        # is not paused unless the member pauses it again.
         for p in partitions:
-            self._assigned.discard(TopicPartition(p.topic, p.partition))
+            tp = TopicPartition(p.topic, p.partition)
+            self._assigned.discard(tp)
+            self._paused.discard(tp)
 
     def assign(self, partitions: list[TopicPartition]) -> None:
         partitions = [TopicPartition(*tp) for tp in partitions]

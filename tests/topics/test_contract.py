@@ -378,6 +378,28 @@ def test_pause_and_resume_per_partition(bus_url):
     c.close()
 
 
+def test_a_pause_ends_with_the_partition_ownership_so_a_resumed_member_reads_what_returns(bus_url):
+    # A pauses its 4 partitions; B joins and takes some; A resumes what it owns; B leaves. A pause
+    # belongs to the member's ownership: the partitions coming back from B are not paused.
+    bus = connect(bus_url)
+    topic, group = unique("pause-rebalance"), unique("g")
+    bus.admin().create_topic(topic, partitions=4)
+    a = bus.consumer(group, session_timeout_s=SESSION_S)
+    a.subscribe([topic])
+    poll_until_stable([a], all_tps(topic, 4))
+    a.pause(a.assignment())
+    b = bus.consumer(group, session_timeout_s=SESSION_S)
+    b.subscribe([topic])
+    poll_until_stable([a, b], all_tps(topic, 4))
+    a.resume(a.assignment())
+    b.close()
+    poll_until_stable([a], all_tps(topic, 4))
+    sent = produce(bus, topic, 40, 4)
+    got = drain(a, 40)
+    assert sorted(r.value for r in got) == sorted(sent)
+    a.close()
+
+
 def test_oversized_record_surfaces_an_error(bus_url):
     bus = connect(bus_url)
     topic = unique("big")
