@@ -82,9 +82,10 @@ class RaasConfig(_Strict):
 
     workers: int = Field(default=1, ge=1)
     batch_prompts: int = Field(default=8, ge=1, description="prompts per rollout batch")
-    max_inflight_groups: int = Field(
-        default=128, ge=1, description="pause while more groups than this wait for filters and trainers; at least "
-                                       "the policies' batch_groups summed (else a trainer could starve)")
+    max_inflight_groups: int | None = Field(
+        default=None, ge=1, description="per policy: pause while more of its groups than this wait for its filters "
+                                        "and trainer; at least each policy's batch_groups (else a trainer could "
+                                        "starve); None: batch_groups x max(max_staleness, 1) per policy")
     session_timeout_s: float = Field(default=30.0, gt=0, description="seconds before a dead worker's prompts move")
 
 
@@ -129,10 +130,10 @@ class RunConfig(_Strict):
         if unknown:
             raise ValueError(f"workflow.roles names policies {sorted(unknown)} that are not in policies "
                              f"({sorted(self.policies)})")
-        need = sum(p.batch_groups for p in self.policies.values())
-        if self.raas.max_inflight_groups < need:
-            raise ValueError(f"raas.max_inflight_groups={self.raas.max_inflight_groups} is below the policies' "
-                             f"batch_groups summed ({need}): paused workers would leave a trainer waiting")
+        need = max(p.batch_groups for p in self.policies.values())
+        if self.raas.max_inflight_groups is not None and self.raas.max_inflight_groups < need:
+            raise ValueError(f"raas.max_inflight_groups={self.raas.max_inflight_groups} is below a policy's "
+                             f"batch_groups ({need}): paused workers would leave its trainer waiting")
         for name, p in self.policies.items():
             p.trainer.policy = name
         return self

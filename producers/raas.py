@@ -31,8 +31,9 @@ from producers.workflows import get_workflow
 from topics.bus import Bus, BusError, connect
 from topics.codec import encode, headers_for
 from topics.deadletter import ValidatingConsumer
+from topics.follow import LatestByKey
 from topics.names import TopicNames
-from topics.schemas import Metric, Prompt, RolloutOutcome, TrajectoryGroup
+from topics.schemas import Metric, Prompt, RolloutOutcome, TrainerProgress, TrajectoryGroup
 from weights.puller import Puller, WeightsUnavailable
 from weights.store import WeightStore
 
@@ -89,6 +90,7 @@ class RaasWorker:
         self.sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens,
                                        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
         self.admin = self.bus.admin()
+        self.progress = LatestByKey(self.bus, self.names.control, TrainerProgress, client_id=f"{self.id}-progress")
         self.producer = self.bus.producer()
         self.consumer = self.bus.consumer(self.names.raas_group(cfg.workflow.name),
                                           session_timeout_s=cfg.raas.session_timeout_s, client_id=self.id,
@@ -101,9 +103,11 @@ class RaasWorker:
 
     # -- weights and backpressure ---------------------------------------------------------
     def sync_weights(self) -> None:
-        """Pull each policy to its newest announced version; on failure keep the old weights."""
+        """Pull each policy to its newest durable version (announced and in the store); on failure
+        keep the old weights."""
         for p, puller in self.pullers.items():
-            newest = puller.poll()
+            puller.poll()
+            newest = puller.newest_durable()
             if newest is not None and newest > self.engines[p].version:
                 try:
                     puller.sync(newest)
@@ -111,46 +115,62 @@ class RaasWorker:
                 except WeightsUnavailable as e:
                     log.warning("%s: keeping version %d of %s: %s", self.id, self.engines[p].version, p, e)
 
-    def inflight_groups(self) -> int:
-        """Groups produced but not yet taken by the filters and trainers (records, all policies).
+    def inflight_limit(self, policy: str) -> int:
+        """Groups of ``policy`` allowed in flight: ``raas.max_inflight_groups`` when set, else
+        ``batch_groups x max(max_staleness, 1)``, what its trainer takes before a group produced
+        now would be too stale to train (so that groups are not produced only to be dropped)."""
+        pc = self.cfg.policies[policy]
+        return self.cfg.raas.max_inflight_groups or pc.batch_groups * max(pc.max_staleness, 1)
 
-        A filter's share is its committed lag on ``trajectories.<policy>`` (it commits every
-        transaction). A trainer's share is the end offsets of ``samples.<policy>`` minus the
-        position that its newest weight announcement carries (``samples_consumed``). Before such
-        an announcement it is the trainer group's committed lag less ``checkpoint_every x
-        batch_groups``: trainers commit only at checkpoints, so that lag also counts groups already
-        trained. The batch a trainer is training counts as in flight until its version is announced.
-        On Kafka, the transaction marker after a partition's last record adds one per partition.
+    def inflight_groups(self, policy: str) -> int | None:
+        """Groups of ``policy`` produced but not yet taken by its filters and trainer (records), or
+        None when its trainer has finished (it holds no rollout back).
+
+        The filters' share is their committed lag on ``trajectories.<policy>`` (they commit every
+        transaction). The trainer's is the end offsets of ``samples.<policy>`` minus its position:
+        the newer of its :class:`TrainerProgress` heartbeat and its newest weight announcement's
+        ``samples_consumed``. With neither yet, it is the trainer group's committed lag less
+        ``checkpoint_every x batch_groups`` (trainers commit only at checkpoints). On Kafka, the
+        transaction marker after a partition's last record adds one per partition.
 
         Raises:
             BusError: the topics do not exist yet.
         """
-        total = 0
-        for p in self.policies:
-            total += sum(self.admin.group_lag(self.names.filter_group(p), self.names.trajectories(p)).values())
-            puller, pc = self.pullers[p], self.cfg.policies[p]
-            newest = puller.announced.get(puller.newest) if puller.newest is not None else None
-            if newest is not None and newest.samples_consumed is not None:
-                end = sum(self.admin.end_offsets(self.names.samples(p)).values())
-                total += max(0, end - newest.samples_consumed)
-            else:
-                lag = sum(self.admin.group_lag(self.names.trainer_group(p), self.names.samples(p)).values())
-                total += max(0, lag - pc.checkpoint_every * pc.batch_groups)
+        progress = self.progress.latest.get(f"trainer.{policy}")
+        if progress is not None and progress.finished:
+            return None
+        total = sum(self.admin.group_lag(self.names.filter_group(policy), self.names.trajectories(policy)).values())
+        puller, pc = self.pullers[policy], self.cfg.policies[policy]
+        announced = puller.announced.get(puller.newest) if puller.newest is not None else None
+        positions = [x for x in (progress.consumed if progress else None,
+                                 announced.samples_consumed if announced else None) if x is not None]
+        if positions:
+            total += max(0, sum(self.admin.end_offsets(self.names.samples(policy)).values()) - max(positions))
+        else:
+            lag = sum(self.admin.group_lag(self.names.trainer_group(policy), self.names.samples(policy)).values())
+            total += max(0, lag - pc.checkpoint_every * pc.batch_groups)
         return total
 
     def pause_reason(self) -> str:
-        """Why this worker should not roll out now ('' when it should)."""
+        """Why this worker should not roll out now ('' when it should).
+
+        Per policy: its engine is more than ``max_staleness`` versions behind the newest durable
+        version, or more than :meth:`inflight_limit` of its groups are in flight. A policy whose
+        trainer has finished holds nothing back.
+        """
+        self.progress.poll()
         for p, puller in self.pullers.items():
-            newest = puller.newest
+            newest = puller.newest_durable()
             max_staleness = self.cfg.policies[p].max_staleness
             if newest is not None and newest - self.engines[p].version > max_staleness:
                 return f"{p} weights {newest - self.engines[p].version} versions behind"
-        try:
-            inflight = self.inflight_groups()
-        except BusError:
-            return ""  # topics not created yet: nothing in flight
-        if inflight > self.cfg.raas.max_inflight_groups:
-            return f"{inflight} groups in flight > raas.max_inflight_groups={self.cfg.raas.max_inflight_groups}"
+        for p in self.policies:
+            try:
+                inflight = self.inflight_groups(p)
+            except BusError:
+                continue  # topics not created yet: nothing in flight
+            if inflight is not None and inflight > self.inflight_limit(p):
+                return f"{inflight} groups of {p} in flight > its limit {self.inflight_limit(p)}"
         return ""
 
     # -- rollout ---------------------------------------------------------------------------
@@ -228,5 +248,6 @@ class RaasWorker:
             self.producer.flush()
         finally:
             self.consumer.close()
+            self.progress.close()
             for puller in self.pullers.values():
                 puller.close()

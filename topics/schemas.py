@@ -242,6 +242,27 @@ class Control(Message):
     ts: float = Field(default_factory=time.time)
 
 
+class TrainerProgress(Message):
+    """A trainer's heartbeat on ``control`` (compacted, keyed ``trainer.<policy>``): how far it has read.
+
+    ``consumed`` is the trainer's position on ``samples.<policy>``: records taken out of the
+    topic (trained, or dropped as stale or duplicate), summed over partitions, so that
+    ``sum(end offsets) - consumed`` is the policy's backlog. ``finished``: the trainer reached
+    its steps or was stopped; it consumes nothing more and holds no rollout back.
+    """
+
+    SCHEMA: ClassVar[str] = "TrainerProgress"
+    policy: str = Field(min_length=1)
+    consumed: int = Field(ge=0, description="records, summed over the partitions of samples.<policy>")
+    version: int = Field(ge=0, description="the trainer's weight version")
+    finished: bool = False
+    ts: float = Field(default_factory=time.time)
+
+    def routing(self) -> dict[str, str]:
+        return {"policy": self.policy, "model_version_min": str(self.version),
+                "model_version_max": str(self.version)}
+
+
 class Metric(Message):
     """A metrics record from one component: flat name -> number."""
 
@@ -274,5 +295,6 @@ class DeadLetter(Message):
 
 SCHEMAS: dict[str, type[Message]] = {
     cls.SCHEMA: cls
-    for cls in (Prompt, TrajectoryGroup, RolloutOutcome, WeightAnnouncement, Control, Metric, DeadLetter)
+    for cls in (Prompt, TrajectoryGroup, RolloutOutcome, WeightAnnouncement, Control, TrainerProgress, Metric,
+                DeadLetter)
 }

@@ -27,7 +27,9 @@ from typing import Any
 
 from consumers.serving import ReplayPolicy, ServingStage
 from topics.bus import BusError, connect
+from topics.codec import encode, headers_for
 from topics.names import TopicNames
+from topics.schemas import TrainerProgress
 from trainer.checkpoint import load_latest, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.coupling import VersionBarrier
@@ -92,6 +94,7 @@ class TrainerService:
         admin = self.bus.admin()
         for topic in (self.names.samples(policy), self.names.metrics, self.names.deadletter):
             admin.create_topic(topic, partitions=4)
+        admin.create_topic(self.names.control, partitions=1, compacted=True)
         self.producer = self.bus.producer()
         self.consumer = self.bus.consumer(self.names.trainer_group(policy), client_id=f"trainer.{policy}.{os.getpid()}",
                                           instance_id=f"trainer.{policy}")
@@ -108,6 +111,8 @@ class TrainerService:
         self._pending: list[dict[str, Any]] = []
         self._committed: dict = {}
         self._unassigned_logged = time.monotonic()
+        self._progress_sent: tuple[int, int, bool] | None = None
+        self._progress_ts = 0.0
         self._resume()
 
     @property
@@ -162,6 +167,7 @@ class TrainerService:
                 if barrier_s is None:
                     break
                 batch = self.serving.next_batch(self.trainer.version, timeout_s=cfg.poll_timeout_s)
+                self.report_progress()
                 if batch is None:
                     if self.serving.offsets_to_commit() != self._committed:
                         # Starved: checkpoint now, so the committed offsets (the lag `status`
@@ -196,11 +202,25 @@ class TrainerService:
                     self.checkpoint()
             if self._pending:
                 self.checkpoint()
+            self.report_progress(finished=True)
         finally:
             self.metrics.close()
         return {"version": self.trainer.version, "steps_run": steps_run,
                 "dropped_stale": self.serving.total_dropped_stale, "duplicates": self.serving.total_duplicates,
                 "wall_s": time.perf_counter() - start}
+
+    def report_progress(self, finished: bool = False, every_s: float = 5.0) -> None:
+        """Send a :class:`TrainerProgress` heartbeat on ``control`` when the position, version or
+        ``finished`` changed, and at least every ``every_s`` seconds: RaaS throttles this policy
+        by it (DESIGN.md, "Backpressure, per policy, on progress")."""
+        now = (self.serving.consumed(), self.trainer.version, finished)
+        if now == self._progress_sent and time.monotonic() - self._progress_ts < every_s:
+            return
+        msg = TrainerProgress(policy=self.config.trainer.policy, consumed=now[0], version=now[1], finished=finished)
+        self.producer.send(self.names.control, encode(msg), key=f"trainer.{msg.policy}", headers=headers_for(msg))
+        if finished:
+            self.producer.flush()
+        self._progress_sent, self._progress_ts = now, time.monotonic()
 
     def _note_unassigned(self) -> float:
         """Log, at most every 30 s, that no partition of ``samples.<policy>`` is assigned; returns now."""

@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -86,6 +87,7 @@ class Puller:
         self.announced: dict[int, WeightAnnouncement] = {}
         self._bases: dict[int, int] = {}
         self._bad: set[str] = set()
+        self._durable: tuple[int, float, int | None] | None = None  # (newest announced, when, answer)
         self._consumer = None
         if bus is not None:
             self._consumer = bus.consumer(None, client_id=f"puller-{policy}")
@@ -98,6 +100,33 @@ class Puller:
         """The newest announced version (None before any announcement); older announcements than the
         loaded version are forgotten after each :meth:`sync`."""
         return max(self.announced) if self.announced else None
+
+    def newest_durable(self, ttl_s: float = 2.0) -> int | None:
+        """The newest announced version whose object is in the store, else the local version.
+
+        An announcement whose object is not there (a crash between upload and announce, a
+        deleted object, a foreign writer: a "ghost") is not a target; a late upload makes it
+        one. The store listing is reused for ``ttl_s`` seconds while no newer announcement
+        arrives; when the listing fails, the last answer stands.
+        """
+        newest = self.newest
+        if newest is None:
+            return self.version
+        if self._durable is not None and self._durable[0] == newest and time.monotonic() - self._durable[1] < ttl_s:
+            return self._durable[2]
+        try:
+            stored = self.store.versions(self.policy)
+        except StoreError as e:
+            log.warning("puller %s: cannot list the store (%s); keeping the last durable version", self.policy, e)
+            return self._durable[2] if self._durable is not None else self.version
+        durable = max((v for v in self.announced if v in stored), default=self.version)
+        if self.version is not None and durable is not None:
+            durable = max(durable, self.version)
+        if durable != newest and (self._durable is None or self._durable[::2] != (newest, durable)):
+            log.warning("puller %s: version %d is announced but not in the store; the newest durable is %s",
+                        self.policy, newest, durable)
+        self._durable = (newest, time.monotonic(), durable)
+        return durable
 
     def poll(self, timeout_s: float = 0.0) -> int | None:
         """Read new announcements for this policy; returns :attr:`newest`.
@@ -193,7 +222,7 @@ class Puller:
         log.debug("puller %s: loaded %s", self.policy, uri)
 
     def sync(self, target: int | None = None) -> bool:
-        """Bring the local weights to ``target`` (default: the newest announced version).
+        """Bring the local weights to ``target`` (default: :meth:`newest_durable`).
 
         Returns:
             True if the version changed (``on_update`` was called), False if already there.
@@ -203,7 +232,7 @@ class Puller:
                 and fallbacks). The local weights stay at the last verified
                 version and the engine keeps what it has.
         """
-        target = self.newest if target is None else target
+        target = self.newest_durable() if target is None else target
         if target is None or (self.version is not None and target <= self.version):
             return False
         expect = self.announced[target].sha256 if target in self.announced else None

@@ -1,5 +1,6 @@
-"""RaaS backpressure: a worker stops at raas.max_inflight_groups groups waiting for the filter and
-trainer, and resumes by exactly what the trainer's weight announcement says it has consumed."""
+"""RaaS backpressure, per policy: a worker stops at raas.max_inflight_groups groups waiting for the
+filter and trainer, resumes by exactly what the trainer reports it has consumed (its weight
+announcement, or its progress heartbeat without a new version), and a finished trainer holds nothing."""
 import uuid
 from pathlib import Path
 
@@ -11,7 +12,9 @@ from policies.registry import build_chain
 from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
 from topics.bus import connect
+from topics.codec import encode, headers_for
 from topics.names import TopicNames
+from topics.schemas import TrainerProgress
 from weights.publisher import Publisher
 from weights.store import WeightStore
 
@@ -41,7 +44,7 @@ raas: {{batch_prompts: 2, max_inflight_groups: 8}}
         for _ in range(20):
             worker.step()
         assert produced() == 10
-        assert "10 groups in flight > raas.max_inflight_groups=8" in worker.paused_reason
+        assert "10 groups of actor in flight > its limit 8" in worker.paused_reason
 
         filt = FilterProcessor(bus, cfg.run, "actor", build_chain([{"name": "accept_all"}]), linger_s=0.0)
         while filt.totals["consumed"] < 10:
@@ -59,6 +62,26 @@ raas: {{batch_prompts: 2, max_inflight_groups: 8}}
             worker.step()
         assert worker.engines["actor"].version == 1
         assert produced() == 12  # 8 in flight: one more batch, then 10 again
-        assert "10 groups in flight" in worker.paused_reason
+        assert "10 groups of actor in flight" in worker.paused_reason
+
+        # A heartbeat, no new version (e.g. the trainer dropped stale groups): the trainer is at the
+        # end of samples; 2 groups still wait for the filter. Rolls out to 10 in flight again.
+        producer = bus.producer()
+
+        def heartbeat(**kw):
+            msg = TrainerProgress(policy="actor", version=1, **kw)
+            producer.send(names.control, encode(msg), key="trainer.actor", headers=headers_for(msg))
+            producer.flush()
+
+        heartbeat(consumed=sum(bus.admin().end_offsets(names.samples("actor")).values()))
+        for _ in range(20):
+            worker.step()
+        assert produced() == 20 and "10 groups of actor in flight" in worker.paused_reason
+        # The trainer finished: this policy holds nothing back; all 40 prompts are rolled out.
+        heartbeat(consumed=0, finished=True)
+        for _ in range(20):
+            worker.step()
+        assert produced() == 40 and worker.paused_reason == ""
+        producer.close()
     finally:
         worker.close()

@@ -235,3 +235,31 @@ def test_publish_and_pull_through_s3(run, s3_uri):
     assert puller.sync()
     assert_bit_equal(puller.state, snaps[3])
     puller.close()
+
+
+def test_a_ghost_announcement_is_not_a_target(run, tmp_path, caplog):
+    # Version 1000 is announced but its object never appears (a crash between announce and upload,
+    # a foreign writer): pullers go to the newest version that is in the store, and say so once.
+    from topics.codec import encode, headers_for
+    from topics.schemas import WeightAnnouncement
+
+    bus, names = run
+    uri = WeightStore.default_uri(tmp_path)
+    trainer = Trainer()
+    pub = Publisher(WeightStore(uri, names.run), bus, names, "solver")
+    snaps = publish_versions(trainer, pub, range(3))
+    pub.close()
+    ghost = WeightAnnouncement(policy="solver", version=1000, kind="full", uri=f"{uri}/nowhere", bytes=1,
+                               sha256="0" * 64, sparsity=0.0)
+    producer = bus.producer()
+    producer.send(names.weights, encode(ghost), key="solver", headers=headers_for(ghost))
+    producer.flush()
+    puller = Puller(WeightStore(uri, names.run), bus, names, "solver")
+    wait_newest(puller, 1000)
+    with caplog.at_level(logging.WARNING):
+        assert puller.newest_durable() == 2 and puller.newest_durable(ttl_s=0.0) == 2
+    assert caplog.text.count("version 1000 is announced but not in the store") == 1
+    assert puller.sync(puller.newest_durable()) and puller.version == 2
+    assert_bit_equal(puller.state, snaps[2])
+    producer.close()
+    puller.close()
