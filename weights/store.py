@@ -13,6 +13,7 @@ under a root URI, through obstore:
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +56,8 @@ class WeightStore:
         run: the run name (first path component of every key).
         options: obstore config for S3 (``endpoint``, ``region``,
             ``access_key_id``, ``secret_access_key``, ...); environment
-            variables fill in what is not given. An ``http://`` endpoint turns
-            on ``allow_http``.
+            variables fill in what is not given. An ``http://`` endpoint, given here
+            or in ``AWS_ENDPOINT_URL(_S3)``, turns on ``allow_http``.
 
     Raises:
         StoreError: the URI scheme is not ``file`` or ``s3``, or a ``file`` path is not absolute.
@@ -76,7 +77,9 @@ class WeightStore:
                 Path(rest).mkdir(parents=True, exist_ok=True)
                 self._store = from_url(uri, mkdir=True, automatic_cleanup=True)  # deleted versions leave no empty dirs
             else:
-                client = {"allow_http": True} if str(options.get("endpoint", "")).startswith("http://") else None
+                endpoint = (options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3")
+                            or os.environ.get("AWS_ENDPOINT_URL") or "")
+                client = {"allow_http": True} if str(endpoint).startswith("http://") else None
                 self._store = from_url(uri, config=options or None, client_options=client)
         except StoreError:
             raise

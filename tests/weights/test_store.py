@@ -78,3 +78,17 @@ def test_local_put_is_atomic_for_concurrent_readers(tmp_path):
     assert all(s in payloads for s in seen)
     # staging files are not listed as objects
     assert [o.key for o in store.objects("p")] == [key]
+
+
+def test_an_http_endpoint_from_the_environment_works(s3_uri, monkeypatch):
+    # The README's MinIO setup: everything from AWS_* variables, the endpoint plain http on loopback.
+    uri, options = s3_uri
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
+    monkeypatch.setenv("AWS_REGION", options["region"])
+    monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
+    store = WeightStore(uri, "envrun")
+    store.put(store.key("actor", 1, "full"), b"weights")
+    assert store.get(store.key("actor", 1, "full")) == b"weights"
+    assert list(store.versions("actor")) == [1]
