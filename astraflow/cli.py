@@ -80,6 +80,9 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
         typer.echo(f"run failed: {e}", err=True)
         raise typer.Exit(1)
     print(json.dumps(summary), flush=True)
+    if not summary["complete"]:
+        typer.echo("run incomplete: not every trainer reached its steps", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()

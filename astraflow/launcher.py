@@ -8,7 +8,14 @@ A live view shows step, version, reward, KL, throughput, lag and staleness.
 The run ends when every trainer has produced its ``steps`` versions (or after
 ``max_wall_s``, or on Ctrl-C). Components are then stopped with SIGTERM, which
 they handle by finishing their current unit of work and committing, so nothing
-is lost. A component that dies is reported with the tail of its log.
+is lost.
+
+Supervision: a component that dies (non-zero exit) is reported with the tail of
+its log and restarted after a back-off (1 s, doubling, at most 30 s), up to
+``MAX_RESTARTS`` times each: RaaS workers, filter processors and acquisition are
+stateless group members, and a trainer resumes from its checkpoint. A component
+past its restart budget fails the run. The summary's ``complete`` says whether
+every trainer reached its steps; ``astraflow run`` exits non-zero when not.
 
 Outputs in the run directory: ``metrics.jsonl`` (every Metric record),
 ``reward_curve.png``, ``components.json`` (each component's exit code) and
@@ -30,10 +37,15 @@ from rich.live import Live
 
 from astraflow.config import RunConfig
 from astraflow.monitor import RunMonitor
-from topics.bus import connect
+from topics.bus import BusError, connect
+from topics.follow import LatestByKey
 from topics.names import TopicNames
+from topics.schemas import TrainerProgress
 
 console = Console(stderr=True)
+
+MAX_RESTARTS = 5          # restarts per component before the run fails
+RESTART_BACKOFF_S = (1.0, 30.0)  # first back-off, doubling up to the second
 
 
 @dataclass
@@ -45,6 +57,8 @@ class Component:
     log: Path
     proc: subprocess.Popen | None = None
     reported: bool = field(default=False)
+    restarts: int = 0
+    restart_at: float | None = None  # monotonic time of a scheduled restart
 
     @property
     def kind(self) -> str:
@@ -169,17 +183,33 @@ class Launcher:
                 c.proc.kill()
                 c.proc.wait()
 
-    def _check_dead(self) -> list[Component]:
-        dead = []
+    def _supervise(self) -> list[Component]:
+        """Report components that died, restart them after their back-off; returns those past their budget."""
+        failed = []
+        now = time.monotonic()
         for c in self.components:
+            if c.restart_at is not None and now >= c.restart_at:
+                c.restart_at, c.reported = None, False
+                self._start(c)
+                console.print(f"[yellow]restarted {c.name}[/] (restart {c.restarts} of {MAX_RESTARTS})")
+                continue
             code = c.proc.poll() if c.proc else None
-            if code is not None and not c.reported:
-                c.reported = True
-                if code != 0 and not self.stopping:
-                    console.print(f"[bold red]component {c.name} died with exit code {code}[/]; "
-                                  f"last lines of {c.log}:\n{_tail(c.log)}")
-                    dead.append(c)
-        return dead
+            if code is None or c.reported:
+                continue
+            c.reported = True
+            if code == 0 or self.stopping:
+                continue
+            console.print(f"[bold red]component {c.name} died with exit code {code}[/]; "
+                          f"last lines of {c.log}:\n{_tail(c.log)}")
+            if c.restarts >= MAX_RESTARTS:
+                console.print(f"[bold red]{c.name} used its {MAX_RESTARTS} restarts[/]")
+                failed.append(c)
+                continue
+            delay = min(RESTART_BACKOFF_S[0] * 2 ** c.restarts, RESTART_BACKOFF_S[1])
+            c.restarts += 1
+            c.restart_at = now + delay
+            console.print(f"[yellow]restarting {c.name} in {delay:.0f} s[/]")
+        return failed
 
     def run(self) -> dict:
         """Start everything, show the live view, stop cleanly; returns the summary dict.
@@ -208,11 +238,11 @@ class Launcher:
                     if time.monotonic() - last > 1.0:
                         live.update(monitor.table(f"run {cfg.run}  {time.monotonic() - t0:.0f} s"))
                         last = time.monotonic()
-                    failed = self._check_dead()
+                    failed = self._supervise()
                     if failed:
                         break
                     trainers = [c for c in self.components if c.kind == "trainer"]
-                    if all(c.proc.poll() == 0 for c in trainers):
+                    if all(c.proc.poll() == 0 and c.restart_at is None for c in trainers):
                         break
                     if cfg.max_wall_s and time.monotonic() - t0 > cfg.max_wall_s:
                         console.print(f"[yellow]max_wall_s={cfg.max_wall_s} reached; stopping[/]")
@@ -236,9 +266,22 @@ class Launcher:
             summary["interrupted"] = True
         return summary
 
+    def _trainer_versions(self) -> dict[str, int]:
+        """Each trainer's last reported version (its :class:`TrainerProgress` on ``control``)."""
+        follower = LatestByKey(connect(self.cfg.bus), self.names.control, TrainerProgress, client_id="launcher")
+        try:
+            latest = follower.read_to_end(timeout_s=30.0)
+        except BusError as e:
+            console.print(f"[yellow]cannot read the trainers' progress: {e}[/]")
+            return {}
+        finally:
+            follower.close()
+        return {m.policy: m.version for m in latest.values()}
+
     def _write_outputs(self, monitor: RunMonitor, wall_s: float) -> dict:
         run_dir = self.cfg.run_dir
-        codes = {c.name: (c.proc.returncode if c.proc else None) for c in self.components}
+        codes = {c.name: {"exit_code": c.proc.returncode if c.proc else None, "restarts": c.restarts}
+                 for c in self.components}
         (run_dir / "components.json").write_text(json.dumps(codes, indent=1))
         with open(run_dir / "metrics.jsonl", "w") as f:
             for m in monitor.records:
@@ -246,10 +289,16 @@ class Launcher:
         plot_rewards(monitor.views, run_dir / "reward_curve.png")
         # reward_first / reward_last follow the first policy of the config (the solver, the actor, ...).
         first, last = reward_summary(next(iter(monitor.views.values())).history)
+        trainers_done = all(c.proc is not None and c.proc.returncode == 0 for c in self.components
+                            if c.kind == "trainer")
+        versions = self._trainer_versions()
+        versions_done = all(versions.get(p, 0) >= pc.steps for p, pc in self.cfg.policies.items())
         return {
             "run": self.cfg.run,
+            "complete": trainers_done and versions_done,
+            "restarts": sum(c.restarts for c in self.components),
             "steps": max((v.step for v in monitor.views.values()), default=0),
-            "versions": {p: v.version for p, v in monitor.views.items()},
+            "versions": {p: versions.get(p, v.version) for p, v in monitor.views.items()},
             "reward_first": None if first is None else round(first, 4),
             "reward_last": None if last is None else round(last, 4),
             "wall_s": round(wall_s, 1),

@@ -1,10 +1,15 @@
-"""Follow a compacted topic and keep the newest message of one schema per key."""
+"""Follow a compacted topic and keep the newest message of one schema per key.
+
+Written by non-transactional producers (no transaction markers), so a partition
+is read to its end when the next offset to read reaches the end offset.
+"""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Generic, TypeVar
 
-from topics.bus import Bus, TopicPartition
+from topics.bus import Bus, BusError, TopicPartition
 from topics.codec import MessageError, decode
 from topics.schemas import Message
 
@@ -30,6 +35,8 @@ class LatestByKey(Generic[M]):
     def __init__(self, bus: Bus, topic: str, schema: type[M], client_id: str, partitions: int = 1):
         self.topic, self.schema = topic, schema
         self.latest: dict[str, M] = {}
+        self._bus = bus
+        self._next: dict[int, int] = {}  # partition -> next offset to read
         self._consumer = bus.consumer(None, client_id=client_id)
         tps = [TopicPartition(topic, p) for p in range(partitions)]
         self._consumer.assign(tps)
@@ -42,6 +49,7 @@ class LatestByKey(Generic[M]):
             topics.bus.BusError: the bus failed.
         """
         for rec in self._consumer.poll(timeout_s=timeout_s):
+            self._next[rec.partition] = rec.offset + 1
             if rec.headers.get("schema", self.schema.SCHEMA.encode()) != self.schema.SCHEMA.encode():
                 continue
             try:
@@ -51,6 +59,20 @@ class LatestByKey(Generic[M]):
                 continue
             key = rec.key.decode("utf-8", "replace") if rec.key is not None else ""
             self.latest[key] = msg
+        return self.latest
+
+    def read_to_end(self, timeout_s: float = 30.0) -> dict[str, M]:
+        """Poll until every record written before this call has been read; returns :attr:`latest`.
+
+        Raises:
+            topics.bus.BusError: the bus failed, or the records did not arrive within ``timeout_s`` seconds.
+        """
+        ends = self._bus.admin().end_offsets(self.topic)
+        deadline = time.monotonic() + timeout_s
+        while any(self._next.get(p, 0) < end for p, end in ends.items()):
+            if time.monotonic() > deadline:
+                raise BusError(f"{self.topic}: records up to {ends} did not arrive in {timeout_s} s")
+            self.poll(timeout_s=0.2)
         return self.latest
 
     def close(self) -> None:

@@ -1,0 +1,79 @@
+"""`astraflow run` supervises: a component killed with SIGKILL is restarted and the run still reaches
+its steps, training no group twice; a run that did not reach its steps exits non-zero."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 30
+
+
+def component_pid(run_dir: Path, command: str) -> int | None:
+    """The pid of the live ``python -m astraflow <command> ...`` process of the run in ``run_dir``."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"astraflow" in argv and command.encode() in argv and f"run_dir={run_dir}".encode() in argv:
+            return int(proc.name)
+    return None
+
+
+def steps_trained(run_dir: Path) -> int:
+    path = run_dir / "trainer.actor" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["raas", "policy", "trainer"])
+def test_a_killed_component_is_restarted_and_the_run_completes(tmp_path, command):
+    run_dir = tmp_path / "run"
+    args = ["examples/arith-tiny.yaml", f"run=sup{uuid.uuid4().hex[:8]}", f"run_dir={run_dir}",
+            f"policies.actor.steps={STEPS}", "policies.actor.checkpoint_every=5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launcher = subprocess.Popen([sys.executable, "-m", "astraflow", "run", *args], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while steps_trained(run_dir) < 8:
+            assert launcher.poll() is None and time.monotonic() < deadline, "no training progress"
+            time.sleep(0.2)
+        pid = component_pid(run_dir, command)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=400)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["complete"] is True and summary["versions"] == {"actor": STEPS}, summary
+    assert summary["restarts"] == 1 and f"restarted {command}" in err, summary
+    # no group trained twice, across the restart
+    entries = [json.loads(line) for line in (run_dir / "trainer.actor" / "trained_groups.jsonl").read_text().splitlines()]
+    trained = [gid for e in entries for gid in e["group_ids"]]
+    assert [e["version"] for e in entries] == list(range(1, STEPS + 1))
+    assert len(trained) == len(set(trained))
+
+
+@pytest.mark.slow
+def test_a_run_that_does_not_reach_its_steps_exits_non_zero(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "astraflow", "run", "examples/arith-tiny.yaml",
+                           f"run=short{uuid.uuid4().hex[:8]}", f"run_dir={run_dir}", "max_wall_s=20"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["complete"] is False and summary["versions"]["actor"] < 400, summary
+    assert "run incomplete" in proc.stderr
