@@ -116,6 +116,8 @@ class RunConfig(_Strict):
     coupling: Literal["independent", "barrier"] = Field(
         default="independent", description="independent trainers, or lockstep versions across policies")
     max_wall_s: float | None = Field(default=None, gt=0, description="stop the run after this many seconds")
+    watchdog_s: float = Field(default=120.0, gt=0, description="name what blocks a trainer whose version has not "
+                                                               "moved for this many seconds (then again as often)")
 
     @model_validator(mode="after")
     def _defaults(self) -> "RunConfig":

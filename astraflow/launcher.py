@@ -162,6 +162,7 @@ class Launcher:
         self.names = TopicNames(cfg.run)
         self.components = plan_components(cfg, config_path, overrides)
         self.stopping = False
+        self._stall: dict[str, tuple[int | None, float, float]] = {}  # policy -> (version, since, last told)
 
     def _start(self, comp: Component) -> None:
         comp.log.parent.mkdir(parents=True, exist_ok=True)
@@ -238,6 +239,7 @@ class Launcher:
                     if time.monotonic() - last > 1.0:
                         live.update(monitor.table(f"run {cfg.run}  {time.monotonic() - t0:.0f} s"))
                         last = time.monotonic()
+                    self._watchdog(monitor)
                     failed = self._supervise()
                     if failed:
                         break
@@ -265,6 +267,30 @@ class Launcher:
         if interrupted:
             summary["interrupted"] = True
         return summary
+
+    def _watchdog(self, monitor: RunMonitor) -> None:
+        """Print one line per ``watchdog_s`` for each unfinished trainer whose version has not moved,
+        naming what it waits for: its backlog, its filter's, and paused RaaS workers."""
+        now = time.monotonic()
+        for p, view in monitor.views.items():
+            trainer = next(c for c in self.components if c.name == f"trainer.{p}")
+            if trainer.proc is not None and trainer.proc.poll() == 0:
+                continue
+            version, since, told = self._stall.get(p, (None, now, now))
+            if view.version != version:
+                self._stall[p] = (view.version, now, now)
+                continue
+            if now - told < self.cfg.watchdog_s:
+                continue
+            self._stall[p] = (version, since, now)
+            lags = monitor.lags()
+            samples = lags.get((self.names.trainer_group(p), self.names.samples(p)))
+            filtered = lags.get((self.names.filter_group(p), self.names.trajectories(p)))
+            paused = monitor.paused_workers()
+            console.print(f"[bold yellow]watchdog: trainer.{p} has been at version {version} for {now - since:.0f} s;"
+                          f"[/] samples.{p} lag {samples} (committed), trajectories.{p} lag {filtered}; "
+                          + (f"paused: {', '.join(paused)} (reason in their logs)" if paused
+                             else "no RaaS worker reports a pause"))
 
     def _trainer_versions(self) -> dict[str, int]:
         """Each trainer's last reported version (its :class:`TrainerProgress` on ``control``)."""

@@ -5,6 +5,7 @@ Used by the launcher's live view and by ``astraflow status``. It reads the
 """
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -93,15 +94,25 @@ class RunMonitor:
                 out[(group, topic)] = None
         return out
 
-    def rollout_throughput(self, window_s: float = 30.0) -> float:
-        """Generated tokens per second across RaaS workers over the last ``window_s`` seconds of their
-        metrics (from the ``tokens_total`` counters and the records' timestamps)."""
+    def rollout_throughput(self, window_s: float = 30.0, now: float | None = None) -> float:
+        """Generated tokens per second across RaaS workers over the last ``window_s`` seconds before
+        ``now`` (default: the wall clock), from their ``tokens_total`` counters and the records'
+        timestamps. A worker that reported nothing in the window (stopped, dead) counts 0."""
+        now = time.time() if now is None else now
         rate = 0.0
         for series in self._rollout_tokens.values():
-            recent = [(t, n) for t, n in series if series[-1][0] - t <= window_s]
+            recent = [(t, n) for t, n in series if now - t <= window_s]
+            if len(recent) < 2:
+                continue
             (t0, n0), (t1, n1) = recent[0], recent[-1]
             rate += (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
         return rate
+
+    def paused_workers(self, window_s: float = 30.0) -> list[str]:
+        """RaaS workers whose latest metric (within ``window_s`` seconds) says they are paused."""
+        now = time.time()
+        return sorted(c for c, m in self.components.items()
+                      if m.kind == "raas" and m.values.get("paused") and now - m.ts <= window_s)
 
     def snapshot(self) -> dict:
         """The monitor's figures as plain data (``astraflow status --json``)."""

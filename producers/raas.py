@@ -124,7 +124,7 @@ class RaasWorker:
 
     def inflight_groups(self, policy: str) -> int | None:
         """Groups of ``policy`` produced but not yet taken by its filters and trainer (records), or
-        None when its trainer has finished (it holds no rollout back).
+        None when its trainer has finished or waits at a barrier for its peers (it holds no rollout back).
 
         The filters' share is their committed lag on ``trajectories.<policy>`` (they commit every
         transaction). The trainer's is the end offsets of ``samples.<policy>`` minus its position:
@@ -137,7 +137,7 @@ class RaasWorker:
             BusError: the topics do not exist yet.
         """
         progress = self.progress.latest.get(f"trainer.{policy}")
-        if progress is not None and progress.finished:
+        if progress is not None and (progress.finished or progress.at_barrier):
             return None
         total = sum(self.admin.group_lag(self.names.filter_group(policy), self.names.trajectories(policy)).values())
         puller, pc = self.pullers[policy], self.cfg.policies[policy]
@@ -156,7 +156,7 @@ class RaasWorker:
 
         Per policy: its engine is more than ``max_staleness`` versions behind the newest durable
         version, or more than :meth:`inflight_limit` of its groups are in flight. A policy whose
-        trainer has finished holds nothing back.
+        trainer has finished, or waits at a barrier for its peers, holds nothing back.
         """
         self.progress.poll()
         for p, puller in self.pullers.items():

@@ -249,6 +249,8 @@ class TrainerProgress(Message):
     topic (trained, or dropped as stale or duplicate), summed over partitions, so that
     ``sum(end offsets) - consumed`` is the policy's backlog. ``finished``: the trainer reached
     its steps or was stopped; it consumes nothing more and holds no rollout back.
+    ``at_barrier``: it waits for peer policies (``coupling: barrier``), not for its own data;
+    while it does its backlog holds no rollout back either, so that the peers can get data.
     """
 
     SCHEMA: ClassVar[str] = "TrainerProgress"
@@ -256,6 +258,7 @@ class TrainerProgress(Message):
     consumed: int = Field(ge=0, description="records, summed over the partitions of samples.<policy>")
     version: int = Field(ge=0, description="the trainer's weight version")
     finished: bool = False
+    at_barrier: bool = False
     ts: float = Field(default_factory=time.time)
 
     def routing(self) -> dict[str, str]:

@@ -111,7 +111,7 @@ class TrainerService:
         self._pending: list[dict[str, Any]] = []
         self._committed: dict = {}
         self._unassigned_logged = time.monotonic()
-        self._progress_sent: tuple[int, int, bool] | None = None
+        self._progress_sent: tuple[int, int, bool, bool] | None = None
         self._progress_ts = 0.0
         self._resume()
 
@@ -163,7 +163,12 @@ class TrainerService:
         steps_run, last_data = 0, time.monotonic()
         try:
             while self.trainer.version < cfg.steps and not (stop is not None and stop.is_set()):
-                barrier_s = self.barrier.wait(self.trainer.version, stop) if self.barrier is not None else 0.0
+                barrier_s = 0.0
+                if self.barrier is not None:
+                    self.barrier.poll()
+                    if self.barrier.behind(self.trainer.version):
+                        self.report_progress(at_barrier=True)
+                    barrier_s = self.barrier.wait(self.trainer.version, stop)
                 if barrier_s is None:
                     break
                 batch = self.serving.next_batch(self.trainer.version, timeout_s=cfg.poll_timeout_s)
@@ -209,14 +214,15 @@ class TrainerService:
                 "dropped_stale": self.serving.total_dropped_stale, "duplicates": self.serving.total_duplicates,
                 "wall_s": time.perf_counter() - start}
 
-    def report_progress(self, finished: bool = False, every_s: float = 5.0) -> None:
-        """Send a :class:`TrainerProgress` heartbeat on ``control`` when the position, version or
-        ``finished`` changed, and at least every ``every_s`` seconds: RaaS throttles this policy
-        by it (DESIGN.md, "Backpressure, per policy, on progress")."""
-        now = (self.serving.consumed(), self.trainer.version, finished)
+    def report_progress(self, finished: bool = False, at_barrier: bool = False, every_s: float = 5.0) -> None:
+        """Send a :class:`TrainerProgress` heartbeat on ``control`` when the position, version,
+        ``finished`` or ``at_barrier`` changed, and at least every ``every_s`` seconds: RaaS
+        throttles this policy by it (DESIGN.md, "Backpressure, per policy, on progress")."""
+        now = (self.serving.consumed(), self.trainer.version, finished, at_barrier)
         if now == self._progress_sent and time.monotonic() - self._progress_ts < every_s:
             return
-        msg = TrainerProgress(policy=self.config.trainer.policy, consumed=now[0], version=now[1], finished=finished)
+        msg = TrainerProgress(policy=self.config.trainer.policy, consumed=now[0], version=now[1], finished=finished,
+                              at_barrier=at_barrier)
         self.producer.send(self.names.control, encode(msg), key=f"trainer.{msg.policy}", headers=headers_for(msg))
         if finished:
             self.producer.flush()

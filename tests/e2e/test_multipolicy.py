@@ -225,3 +225,20 @@ def test_plan_execute_critique_run_completes(tmp_path):
     for policy in ("planner", "executor", "critic"):
         groups = read_decoded(bus, names.samples(policy), TrajectoryGroup)
         assert groups and all(g.policy == policy for g in groups)
+
+
+@pytest.mark.slow
+def test_a_finished_policy_holds_no_other_back(tmp_path):
+    # The solver's trainer stops at 5; its backlog must not pause rollouts the verifier still needs.
+    summary, _ = run_example(tmp_path, "solver-verifier-tiny.yaml", "policies.solver.steps=5",
+                             "policies.verifier.steps=15")
+    assert summary["complete"] and summary["versions"] == {"solver": 5, "verifier": 15}, summary
+
+
+@pytest.mark.slow
+def test_a_trainer_at_the_barrier_holds_no_rollout_back(tmp_path):
+    # Near-greedy sampling: most verifier groups have equal rewards and filter_zero_adv drops them, so
+    # the solver waits at the barrier while its backlog grows; rollouts must go on for the verifier.
+    summary, _ = run_example(tmp_path, "solver-verifier-tiny.yaml", "coupling=barrier",
+                             "policies.verifier.filters=[{name: filter_zero_adv}]", "sampling.temperature=0.02")
+    assert summary["complete"] and summary["versions"] == {"solver": 5, "verifier": 5}, summary
