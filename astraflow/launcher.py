@@ -12,9 +12,12 @@ is lost.
 
 Supervision: a component that dies (non-zero exit) is reported with the tail of
 its log and restarted after a back-off (1 s, doubling, at most 30 s), up to
-``MAX_RESTARTS`` times each: RaaS workers, filter processors and acquisition are
-stateless group members, and a trainer resumes from its checkpoint. A component
-past its restart budget fails the run. The summary's ``complete`` says whether
+``MAX_RESTARTS`` times in a row (a component that ran ``HEALTHY_S`` seconds
+before dying starts a new row): RaaS workers, filter processors and acquisition
+are stateless group members, and a trainer resumes from its checkpoint. So a
+broker or store outage is ridden out by restarts. A component past its restart
+budget fails the run. The live view survives an unreachable bus (one line per
+condition). The summary's ``complete`` says whether
 every trainer reached its steps; ``astraflow run`` exits non-zero when not.
 
 Outputs in the run directory: ``metrics.jsonl`` (every Metric record),
@@ -44,8 +47,9 @@ from topics.schemas import TrainerProgress
 
 console = Console(stderr=True)
 
-MAX_RESTARTS = 5          # restarts per component before the run fails
+MAX_RESTARTS = 5          # restarts in a row per component before the run fails
 RESTART_BACKOFF_S = (1.0, 30.0)  # first back-off, doubling up to the second
+HEALTHY_S = 60.0          # a component that ran this long before dying starts a new row of restarts
 
 
 @dataclass
@@ -57,7 +61,9 @@ class Component:
     log: Path
     proc: subprocess.Popen | None = None
     reported: bool = field(default=False)
-    restarts: int = 0
+    restarts: int = 0        # in all
+    in_a_row: int = 0        # since it last ran HEALTHY_S seconds
+    started_at: float = 0.0  # monotonic
     restart_at: float | None = None  # monotonic time of a scheduled restart
 
     @property
@@ -170,6 +176,7 @@ class Launcher:
         with open(comp.log, "ab") as log:
             comp.proc = subprocess.Popen(comp.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
+        comp.started_at = time.monotonic()
 
     def _stop_all(self, grace_s: float = 60.0) -> None:
         live = [c for c in self.components if c.proc and c.proc.poll() is None]
@@ -192,7 +199,7 @@ class Launcher:
             if c.restart_at is not None and now >= c.restart_at:
                 c.restart_at, c.reported = None, False
                 self._start(c)
-                console.print(f"[yellow]restarted {c.name}[/] (restart {c.restarts} of {MAX_RESTARTS})")
+                console.print(f"[yellow]restarted {c.name}[/] (restart {c.in_a_row} of {MAX_RESTARTS} in a row)")
                 continue
             code = c.proc.poll() if c.proc else None
             if code is None or c.reported:
@@ -202,12 +209,15 @@ class Launcher:
                 continue
             console.print(f"[bold red]component {c.name} died with exit code {code}[/]; "
                           f"last lines of {c.log}:\n{_tail(c.log)}")
-            if c.restarts >= MAX_RESTARTS:
-                console.print(f"[bold red]{c.name} used its {MAX_RESTARTS} restarts[/]")
+            if now - c.started_at >= HEALTHY_S:
+                c.in_a_row = 0
+            if c.in_a_row >= MAX_RESTARTS:
+                console.print(f"[bold red]{c.name} used its {MAX_RESTARTS} restarts in a row[/]")
                 failed.append(c)
                 continue
-            delay = min(RESTART_BACKOFF_S[0] * 2 ** c.restarts, RESTART_BACKOFF_S[1])
+            delay = min(RESTART_BACKOFF_S[0] * 2 ** c.in_a_row, RESTART_BACKOFF_S[1])
             c.restarts += 1
+            c.in_a_row += 1
             c.restart_at = now + delay
             console.print(f"[yellow]restarting {c.name} in {delay:.0f} s[/]")
         return failed
@@ -228,18 +238,27 @@ class Launcher:
             self._start(c)
         console.print(f"run [bold]{cfg.run}[/] in {cfg.run_dir}: {len(self.components)} components "
                       f"(logs in {cfg.run_dir / 'logs'}); bus {cfg.bus}; store {cfg.store}")
-        interrupted, failed = False, []
+        interrupted, failed, bus_trouble = False, [], ""
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cleanly too
         try:
             with Live(monitor.table(), console=console, refresh_per_second=2, transient=False) as live:
                 last = 0.0
                 while True:
-                    monitor.poll(0.5)
-                    if time.monotonic() - last > 1.0:
-                        live.update(monitor.table(f"run {cfg.run}  {time.monotonic() - t0:.0f} s"))
-                        last = time.monotonic()
-                    self._watchdog(monitor)
+                    try:
+                        monitor.poll(0.5)
+                        if time.monotonic() - last > 1.0:
+                            live.update(monitor.table(f"run {cfg.run}  {time.monotonic() - t0:.0f} s"))
+                            last = time.monotonic()
+                        self._watchdog(monitor)
+                        if bus_trouble:
+                            console.print("[green]the bus answers again[/]")
+                            bus_trouble = ""
+                    except BusError as e:
+                        if not bus_trouble:
+                            console.print(f"[bold yellow]bus trouble (components ride it out by restarts): {e}[/]")
+                        bus_trouble = str(e)
+                        time.sleep(0.5)
                     failed = self._supervise()
                     if failed:
                         break
@@ -257,8 +276,11 @@ class Launcher:
             signal.signal(signal.SIGTERM, previous_term)
             self.stopping = True
             self._stop_all()
-            monitor.poll(1.0)
-            monitor.close()
+            try:
+                monitor.poll(1.0)
+                monitor.close()
+            except BusError as e:
+                console.print(f"[yellow]the last metrics could not be read: {e}[/]")
         wall = time.monotonic() - t0
         console.print()  # end the live view's line, so the JSON summary starts on its own line
         summary = self._write_outputs(monitor, wall)

@@ -79,15 +79,29 @@ class RunMonitor:
         self.records += out
         return out
 
-    def lags(self) -> dict[tuple[str, str], int | None]:
-        """Per (consumer group, topic), the total lag in records from committed offsets (None: unknown,
-        e.g. the topic does not exist yet)."""
+    def _groups(self) -> list[tuple[str, str]]:
+        """The run's (consumer group, topic) pairs."""
         pairs = [(self.names.raas_group(self.workflow), self.names.prompts)]
         for p in self.policies:
             pairs += [(self.names.filter_group(p), self.names.trajectories(p)),
                       (self.names.trainer_group(p), self.names.samples(p))]
+        return pairs
+
+    def members(self) -> dict[str, dict[str, list[int]]]:
+        """Per consumer group of the run, its live members -> the partitions each owns (empty: unknown)."""
         out = {}
-        for group, topic in pairs:
+        for group, _ in self._groups():
+            try:
+                out[group] = {m: [tp.partition for tp in tps] for m, tps in self.admin.group_members(group).items()}
+            except BusError:
+                out[group] = {}
+        return out
+
+    def lags(self) -> dict[tuple[str, str], int | None]:
+        """Per (consumer group, topic), the total lag in records from committed offsets (None: unknown,
+        e.g. the topic does not exist yet)."""
+        out = {}
+        for group, topic in self._groups():
             try:
                 out[(group, topic)] = sum(self.admin.group_lag(group, topic).values())
             except BusError:
@@ -122,6 +136,7 @@ class RunMonitor:
                          for p, v in self.views.items()},
             "rollout_tokens_per_s": self.rollout_throughput(),
             "lag": {f"{group} {topic}": n for (group, topic), n in self.lags().items()},
+            "members": self.members(),
         }
 
     def table(self, title: str = "") -> Group:
@@ -138,7 +153,13 @@ class RunMonitor:
             lag.add_column(col, justify="right" if col == "lag" else "left")
         for (group, topic), n in self.lags().items():
             lag.add_row(group, topic, "?" if n is None else str(n))
-        return Group(t, lag)
+        members = Table(title="consumer-group members")
+        for col in ("consumer group", "member", "partitions"):
+            members.add_column(col)
+        for group, owned in self.members().items():
+            for member, parts in sorted(owned.items()):
+                members.add_row(group, member, ",".join(map(str, parts)) or "-")
+        return Group(t, lag, members)
 
     def close(self) -> None:
         self.consumer.close()

@@ -240,6 +240,14 @@ class Admin(abc.ABC):
                 for p, end in ends.items()}
 
     @abc.abstractmethod
+    def group_members(self, group: str) -> dict[str, list[TopicPartition]]:
+        """The live members of ``group`` (member id, which names the client) -> the partitions each owns.
+
+        Raises:
+            BusError: the bus failed.
+        """
+
+    @abc.abstractmethod
     def start_offsets(self, topic: str) -> dict[int, int]:
         """Per partition, the earliest retained offset."""
 

@@ -1,5 +1,9 @@
 """The Kafka backend of the bus API, through confluent-kafka (librdkafka).
 
+Every client failure (a ``KafkaException``, or an admin request with no answer)
+surfaces as :class:`topics.bus.BusError`; librdkafka's own error log is routed
+through one line per condition (:class:`_Reporter`).
+
 Records carry already-compressed values (zstd, see :mod:`topics.codec`), so the
 producer does not compress again. Producers are idempotent with ``acks=all``.
 Consumers never auto-commit: offsets are committed explicitly, after the work
@@ -49,6 +53,33 @@ MAX_MESSAGE_BYTES = 64 << 20
 _INVALID_OFFSET = -1001
 
 
+class _Reporter:
+    """librdkafka's client errors as one log line per condition, not a line per reconnect attempt.
+
+    Installed as ``error_cb`` with librdkafka's own logging at critical only (``log_level`` 2):
+    the first error of each code is logged as a warning, then at most one per ``every_s``
+    seconds with the count of repeats. The errors stay visible to callers as :class:`BusError`.
+    """
+
+    def __init__(self, client: str, every_s: float = 30.0):
+        self.client, self.every_s = client, every_s
+        self._seen: dict[int, tuple[float, int]] = {}  # code -> (last logged, repeats since)
+
+    def __call__(self, err: KafkaError) -> None:
+        now = time.monotonic()
+        last, repeats = self._seen.get(err.code(), (None, 0))
+        if last is not None and now - last < self.every_s:
+            self._seen[err.code()] = (last, repeats + 1)
+            return
+        self._seen[err.code()] = (now, 0)
+        more = f" ({repeats} more like it in the last {self.every_s:.0f} s)" if repeats else ""
+        log.warning("kafka %s: %s%s", self.client, err.str(), more)
+
+    def conf(self) -> dict:
+        """The client config entries that route errors here."""
+        return {"error_cb": self, "log_level": 2}
+
+
 def _tp(tp: TopicPartition, offset: int = _INVALID_OFFSET) -> _TP:
     return _TP(tp[0], tp[1], offset)
 
@@ -70,6 +101,7 @@ class KafkaProducer(Producer):
 
     def __init__(self, bootstrap: str, transactional_id: str | None = None):
         conf = {
+            **_Reporter(f"producer {transactional_id or ''}".strip()).conf(),
             "bootstrap.servers": bootstrap,
             "acks": "all",
             "enable.idempotence": True,
@@ -163,7 +195,7 @@ class KafkaConsumer(Consumer):
         self.group = group
         session_ms = int(session_timeout_s * 1000)
         static = {"group.instance.id": instance_id} if instance_id and group else {}
-        self._c = _Consumer({**static,
+        self._c = _Consumer({**static, **_Reporter(f"consumer {client_id or group or ''}".strip()).conf(),
             "bootstrap.servers": bootstrap,
             "group.id": group or f"astraflow-free-{uuid.uuid4().hex}",
             "client.id": client_id or f"astraflow-{uuid.uuid4().hex[:8]}",
@@ -344,15 +376,26 @@ class KafkaAdmin(Admin):
     """Topic administration and group offsets through confluent-kafka's AdminClient."""
 
     def __init__(self, bootstrap: str, connect_timeout_s: float = 10.0):
-        # log_level 2 (critical): an unreachable broker is reported once, by the BusError below, not by a
-        # librdkafka "Connection refused" line per reconnect attempt on stderr
-        self._a = AdminClient({"bootstrap.servers": bootstrap, "log_level": 2})
+        # an unreachable broker is reported once, by the BusError below, not by a librdkafka
+        # "Connection refused" line per reconnect attempt on stderr
+        self._a = AdminClient({"bootstrap.servers": bootstrap, **_Reporter("admin").conf()})
         self._bootstrap = bootstrap
         try:
             self._a.list_topics(timeout=connect_timeout_s)
         except KafkaException as e:
             raise BusError(f"cannot reach Kafka at {bootstrap} within {connect_timeout_s:.0f} s ({e}); "
                            f"start a broker (scripts/kafka-local.sh start) or fix bus=") from None
+
+    def _metadata(self, topic: str | None = None, timeout_s: float = 10.0) -> dict:
+        """Topic name -> metadata (of ``topic`` only, when given).
+
+        Raises:
+            BusError: the cluster did not answer (e.g. the broker is down).
+        """
+        try:
+            return self._a.list_topics(topic, timeout=timeout_s).topics
+        except KafkaException as e:
+            raise BusError(f"cannot read the metadata of {topic or 'the cluster'} from {self._bootstrap}: {e}") from None
 
     def create_topic(self, name, partitions=1, compacted=False, retention_ms=None, config=None) -> None:
         conf = {"max.message.bytes": str(MAX_MESSAGE_BYTES)}
@@ -374,7 +417,7 @@ class KafkaAdmin(Admin):
     def _wait_for_leaders(self, name: str, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            md = self._a.list_topics(name, timeout=10).topics.get(name)
+            md = self._metadata(name).get(name)
             if md is not None and md.error is None and md.partitions and all(
                     p.leader >= 0 for p in md.partitions.values()):
                 return
@@ -382,28 +425,30 @@ class KafkaAdmin(Admin):
         raise BusError(f"topic {name} has no leader for every partition after {timeout_s} s")
 
     def describe_topic(self, name: str) -> TopicInfo:
-        md = self._a.list_topics(name, timeout=10).topics.get(name)
+        md = self._metadata(name).get(name)
         if md is None or md.error is not None:
             raise BusError(f"topic {name} does not exist on {self._bootstrap}")
         res = ConfigResource(ConfigResource.Type.TOPIC, name)
         try:
             entries = self._a.describe_configs([res])[res].result(30)
-        except KafkaException as e:
+        except (KafkaException, TimeoutError) as e:
             raise BusError(f"cannot describe topic {name}: {e}") from None
         return TopicInfo(name, len(md.partitions), {k: str(v.value) for k, v in entries.items()})
 
     def list_topics(self) -> list[str]:
-        return sorted(t for t in self._a.list_topics(timeout=10).topics if not t.startswith("__"))
+        return sorted(t for t in self._metadata() if not t.startswith("__"))
 
     def delete_topic(self, name: str) -> None:
         try:
             self._a.delete_topics([name])[name].result(30)
+        except TimeoutError:
+            raise BusError(f"cannot delete topic {name}: no answer in 30 s") from None
         except KafkaException as e:
             if e.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
                 raise BusError(f"cannot delete topic {name}: {e}") from None
 
     def _partitions(self, topic: str) -> list[int]:
-        md = self._a.list_topics(topic, timeout=10).topics.get(topic)
+        md = self._metadata(topic).get(topic)
         if md is None or md.error is not None:
             raise BusError(f"topic {topic} does not exist on {self._bootstrap}")
         return sorted(md.partitions)
@@ -413,7 +458,7 @@ class KafkaAdmin(Admin):
         try:
             result = self._a.list_offsets(req, request_timeout=30)
             return {tp.partition: fut.result(30).offset for tp, fut in result.items()}
-        except KafkaException as e:
+        except (KafkaException, TimeoutError) as e:
             raise BusError(f"cannot list offsets of {topic}: {e}") from None
 
     def end_offsets(self, topic: str) -> dict[int, int]:
@@ -427,9 +472,19 @@ class KafkaAdmin(Admin):
         req = ConsumerGroupTopicPartitions(group, [_TP(topic, p) for p in parts])
         try:
             res = self._a.list_consumer_group_offsets([req])[group].result(30)
-        except KafkaException as e:
+        except (KafkaException, TimeoutError) as e:
             raise BusError(f"cannot read offsets of group {group}: {e}") from None
         return {tp.partition: (tp.offset if tp.offset >= 0 else None) for tp in res.topic_partitions}
+
+
+    def group_members(self, group: str) -> dict[str, list[TopicPartition]]:
+        try:
+            desc = self._a.describe_consumer_groups([group])[group].result(30)
+        except (KafkaException, TimeoutError) as e:
+            raise BusError(f"cannot describe group {group}: {e}") from None
+        return {f"{m.group_instance_id or m.client_id} {m.member_id}":
+                sorted(TopicPartition(tp.topic, tp.partition) for tp in m.assignment.topic_partitions)
+                for m in desc.members}
 
 
 class KafkaBus(Bus):

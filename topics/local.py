@@ -1019,6 +1019,12 @@ class LocalAdmin(Admin):
         stored = _Group(self._bus.root, group).read_offsets().get(topic, {})
         return {p: stored.get(str(p)) for p in range(self._bus._topics.require(topic, fresh=True)["partitions"])}
 
+    def group_members(self, group: str) -> dict[str, list[TopicPartition]]:
+        state = _Group(self._bus.root, group).read_state()
+        now_ms = _now_ms()
+        return {mid: sorted(TopicPartition(t, p) for t, p in m["owned"]) for mid, m in state["members"].items()
+                if now_ms - m["heartbeat_ms"] <= m["session_ms"]}
+
     def compact(self, topic: str) -> None:
         """Compact (and apply retention to) every partition of ``topic`` now, whatever is due.
 

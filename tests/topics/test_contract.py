@@ -84,6 +84,8 @@ def test_three_consumers_split_the_partitions(bus_url):
         assert g and {r.tp for r in g} <= mine
         assert set(c.assignment()) == mine
     assert sorted(r.value for g in got for r in g) == sorted(sent)   # exactly once each, nothing missing
+    members = bus.admin().group_members(group)                        # what `astraflow status` shows
+    assert sorted(sorted(m) for m in members.values()) == sorted(sorted(o) for o in owned)
     for c in consumers:
         c.close()
 
