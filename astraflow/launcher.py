@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,27 +239,18 @@ class Launcher:
             self._start(c)
         console.print(f"run [bold]{cfg.run}[/] in {cfg.run_dir}: {len(self.components)} components "
                       f"(logs in {cfg.run_dir / 'logs'}); bus {cfg.bus}; store {cfg.store}")
-        interrupted, failed, bus_trouble = False, [], ""
+        interrupted, failed = False, []
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cleanly too
+        done, view = threading.Event(), None
         try:
             with Live(monitor.table(), console=console, refresh_per_second=2, transient=False) as live:
-                last = 0.0
+                # The view waits on the bus (admin requests block up to 30 s when it is down); supervision
+                # must not, so the view has its own thread.
+                view = threading.Thread(target=self._view, args=(monitor, live, t0, done), name="live-view",
+                                        daemon=True)
+                view.start()
                 while True:
-                    try:
-                        monitor.poll(0.5)
-                        if time.monotonic() - last > 1.0:
-                            live.update(monitor.table(f"run {cfg.run}  {time.monotonic() - t0:.0f} s"))
-                            last = time.monotonic()
-                        self._watchdog(monitor)
-                        if bus_trouble:
-                            console.print("[green]the bus answers again[/]")
-                            bus_trouble = ""
-                    except BusError as e:
-                        if not bus_trouble:
-                            console.print(f"[bold yellow]bus trouble (components ride it out by restarts): {e}[/]")
-                        bus_trouble = str(e)
-                        time.sleep(0.5)
                     failed = self._supervise()
                     if failed:
                         break
@@ -268,6 +260,7 @@ class Launcher:
                     if cfg.max_wall_s and time.monotonic() - t0 > cfg.max_wall_s:
                         console.print(f"[yellow]max_wall_s={cfg.max_wall_s} reached; stopping[/]")
                         break
+                    time.sleep(0.2)
         except KeyboardInterrupt:
             interrupted = True
             console.print("[yellow]interrupted: stopping every component cleanly (SIGTERM)...[/]")
@@ -275,7 +268,10 @@ class Launcher:
             signal.signal(signal.SIGINT, previous)
             signal.signal(signal.SIGTERM, previous_term)
             self.stopping = True
+            done.set()
             self._stop_all()
+            if view is not None:
+                view.join(timeout=60.0)
             try:
                 monitor.poll(1.0)
                 monitor.close()
@@ -289,6 +285,26 @@ class Launcher:
         if interrupted:
             summary["interrupted"] = True
         return summary
+
+    def _view(self, monitor: RunMonitor, live: Live, t0: float, done: threading.Event) -> None:
+        """The live view's loop (its own thread, until ``done``): metrics, the table, the watchdog. An
+        unreachable bus is reported once per condition; the components ride it out by restarts."""
+        trouble, last = "", 0.0
+        while not done.is_set():
+            try:
+                monitor.poll(0.5)
+                if time.monotonic() - last > 1.0:
+                    live.update(monitor.table(f"run {self.cfg.run}  {time.monotonic() - t0:.0f} s"))
+                    last = time.monotonic()
+                self._watchdog(monitor)
+                if trouble:
+                    console.print("[green]the bus answers again[/]")
+                    trouble = ""
+            except BusError as e:
+                if not trouble:
+                    console.print(f"[bold yellow]bus trouble (components ride it out by restarts): {e}[/]")
+                trouble = str(e)
+                done.wait(0.5)
 
     def _watchdog(self, monitor: RunMonitor) -> None:
         """Print one line per ``watchdog_s`` for each unfinished trainer whose version has not moved,

@@ -1,0 +1,38 @@
+"""Fault-test fixtures: a private Kafka broker (``scripts/kafka-local.sh`` on its own port) that a
+test may stop and start, without disturbing the suite's shared broker."""
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PORT = int(os.environ.get("ASTRAFLOW_FAULT_KAFKA_PORT", "19192"))
+
+
+class PrivateBroker:
+    """A one-node KRaft broker on 127.0.0.1:``port``; :meth:`stop` and :meth:`start` are real."""
+
+    def __init__(self, port: int):
+        self.port, self.url = port, f"kafka://127.0.0.1:{port}"
+
+    def _script(self, action: str) -> None:
+        subprocess.run(["scripts/kafka-local.sh", action], cwd=ROOT, check=True, timeout=300,
+                       env=dict(os.environ, KAFKA_PORT=str(self.port)), stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+
+    def start(self) -> None:
+        self._script("start")
+
+    def stop(self) -> None:
+        self._script("stop")
+
+
+@pytest.fixture
+def private_broker():
+    broker = PrivateBroker(PORT)
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()

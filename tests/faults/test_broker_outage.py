@@ -1,0 +1,62 @@
+"""The broker stopped for 45 s mid-run and started again: the run reaches its steps, every prompt
+RaaS committed has its group, and no group is trained twice."""
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from topics.bus import connect, read_topic
+from topics.codec import decode
+from topics.names import TopicNames
+from topics.schemas import Prompt, TrajectoryGroup
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 60
+
+
+def steps_trained(run_dir: Path) -> int:
+    path = run_dir / "trainer.actor" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.slow
+def test_a_broker_outage_is_ridden_out(tmp_path, private_broker):
+    run, run_dir = f"outage{uuid.uuid4().hex[:8]}", tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "astraflow", "run", "examples/arith-tiny.yaml", f"run={run}", f"run_dir={run_dir}",
+         f"bus={private_broker.url}", f"policies.actor.steps={STEPS}", "policies.actor.checkpoint_every=5"],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while steps_trained(run_dir) < 10:
+            assert launcher.poll() is None and time.monotonic() < deadline, "no training progress"
+            time.sleep(0.2)
+        private_broker.stop()
+        time.sleep(45)
+        assert launcher.poll() is None, "the launcher gave up during the outage"
+        private_broker.start()
+        out, err = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err[-4000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["complete"] and summary["versions"] == {"actor": STEPS}, summary
+
+    entries = [json.loads(line) for line in (run_dir / "trainer.actor" / "trained_groups.jsonl").read_text().splitlines()]
+    trained = [gid for e in entries for gid in e["group_ids"]]
+    assert [e["version"] for e in entries] == list(range(1, STEPS + 1))
+    assert len(trained) == len(set(trained))  # no group trained twice
+    # every prompt RaaS committed has its group on trajectories.actor
+    bus, names = connect(private_broker.url), TopicNames(run)
+    committed = bus.admin().group_offsets(names.raas_group("single_turn"), names.prompts)
+    done = {decode(r.value, Prompt).prompt_id for r in read_topic(bus, names.prompts)
+            if r.offset < (committed[r.partition] or 0)}
+    grouped = {decode(r.value, TrajectoryGroup).prompt_id for r in read_topic(bus, names.trajectories("actor"))}
+    assert done and done <= grouped, sorted(done - grouped)[:5]
