@@ -28,7 +28,6 @@ from confluent_kafka.admin import (
     AdminClient,
     ConfigResource,
     NewTopic,
-    OffsetSpec,
 )
 from confluent_kafka import ConsumerGroupTopicPartitions
 
@@ -380,6 +379,7 @@ class KafkaAdmin(Admin):
         # "Connection refused" line per reconnect attempt on stderr
         self._a = AdminClient({"bootstrap.servers": bootstrap, **_Reporter("admin").conf()})
         self._bootstrap = bootstrap
+        self._watermark_reader: _Consumer | None = None
         try:
             self._a.list_topics(timeout=connect_timeout_s)
         except KafkaException as e:
@@ -453,19 +453,31 @@ class KafkaAdmin(Admin):
             raise BusError(f"topic {topic} does not exist on {self._bootstrap}")
         return sorted(md.partitions)
 
-    def _list_offsets(self, topic: str, spec: OffsetSpec) -> dict[int, int]:
-        req = {_TP(topic, p): spec for p in self._partitions(topic)}
-        try:
-            result = self._a.list_offsets(req, request_timeout=30)
-            return {tp.partition: fut.result(30).offset for tp, fut in result.items()}
-        except (KafkaException, TimeoutError) as e:
-            raise BusError(f"cannot list offsets of {topic}: {e}") from None
+    def _watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
+        """Per partition, (log start offset, log end offset), from the consumer API's watermark query.
+
+        Not AdminClient.list_offsets: during a broker outage its request futures can trip a
+        librdkafka assertion (``rd_kafka_enq_once_del_source_return``) that aborts the process.
+        """
+        if self._watermark_reader is None:
+            self._watermark_reader = _Consumer({"bootstrap.servers": self._bootstrap, **_Reporter("offsets").conf(),
+                                                "group.id": f"astraflow-offsets-{uuid.uuid4().hex}",
+                                                "enable.auto.commit": False})
+        out = {}
+        for p in self._partitions(topic):
+            try:
+                out[p] = self._watermark_reader.get_watermark_offsets(_TP(topic, p), timeout=30, cached=False)
+            except KafkaException as e:
+                raise BusError(f"cannot list offsets of {topic}[{p}]: {e}") from None
+            if out[p] is None:
+                raise BusError(f"cannot list offsets of {topic}[{p}]: no answer in 30 s")
+        return out
 
     def end_offsets(self, topic: str) -> dict[int, int]:
-        return self._list_offsets(topic, OffsetSpec.latest())
+        return {p: high for p, (_, high) in self._watermarks(topic).items()}
 
     def start_offsets(self, topic: str) -> dict[int, int]:
-        return self._list_offsets(topic, OffsetSpec.earliest())
+        return {p: low for p, (low, _) in self._watermarks(topic).items()}
 
     def group_offsets(self, group: str, topic: str) -> dict[int, int | None]:
         parts = self._partitions(topic)

@@ -111,6 +111,7 @@ class TrainerService:
         self._pending: list[dict[str, Any]] = []
         self._committed: dict = {}
         self._unassigned_logged = time.monotonic()
+        self._store_logged = 0.0
         self._progress_sent: tuple[int, int, bool, bool] | None = None
         self._progress_ts = 0.0
         self._resume()
@@ -163,6 +164,10 @@ class TrainerService:
         steps_run, last_data = 0, time.monotonic()
         try:
             while self.trainer.version < cfg.steps and not (stop is not None and stop.is_set()):
+                if self._store_behind():
+                    self.report_progress()
+                    (stop or threading.Event()).wait(1.0)
+                    continue
                 barrier_s = 0.0
                 if self.barrier is not None:
                     self.barrier.poll()
@@ -227,6 +232,22 @@ class TrainerService:
         if finished:
             self.producer.flush()
         self._progress_sent, self._progress_ts = now, time.monotonic()
+
+    def _store_behind(self) -> bool:
+        """True while the newest durable version is more than ``max(max_staleness, 4)`` behind the
+        trainer (the store is failing): RaaS cannot get newer weights, so what it rolls out now would
+        only be dropped as stale. Logged at most every 30 s."""
+        publisher = self.trainer.publisher
+        if publisher is None:
+            return False
+        durable = publisher.durable_version or 0  # version 0, the base model, is always there
+        behind = self.trainer.version - durable > max(self.config.max_staleness, 4)
+        if behind and time.monotonic() - self._store_logged >= 30.0:
+            self._store_logged = time.monotonic()
+            log.warning("trainer %s: holding at version %d: the newest durable version is %d (publishes are "
+                        "failing; see the publisher's warnings)", self.config.trainer.policy, self.trainer.version,
+                        durable)
+        return behind
 
     def _note_unassigned(self) -> float:
         """Log, at most every 30 s, that no partition of ``samples.<policy>`` is assigned; returns now."""

@@ -40,13 +40,14 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
+from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from topics.bus import Bus
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
 from topics.schemas import WeightAnnouncement
 from weights.codec import encode_delta, save_full, state_sha256
-from weights.store import WeightStore
+from weights.store import StoreError, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +67,24 @@ class Publisher:
         max_delta_fraction, chain_budget, max_chain: the delta/full rules (module docstring).
         keep_versions: if set, after each publish apply :meth:`WeightStore.retain` with it.
         producer_id: recorded in the announcement headers.
+        attempts: upload attempts per object (exponential back-off between).
 
     Attributes:
         announcements: the last 1,000 announcements made, in order.
-        errors: exceptions raised by background publishes (the version is then
-            skipped; the next one is a delta from the last successful version).
+        errors: exceptions raised by background publishes (uploads are retried
+            ``attempts`` times first). A failed version is retried with back-off
+            (2 s doubling, at most 30 s) until it succeeds or a newer version
+            replaces it, which is then a delta from the last successful version.
     """
 
     def __init__(self, store: WeightStore, bus: Bus | None, names: TopicNames, policy: str, *,
                  level: int = 1, threads: int = -1, max_delta_fraction: float = 0.5,
                  chain_budget: float = 1.0, max_chain: int = 1000, keep_versions: int | None = None,
-                 producer_id: str | None = None):
+                 producer_id: str | None = None, attempts: int = 3):
         self.store, self.names, self.policy = store, names, policy
         self.level, self.threads = level, threads
         self.max_delta_fraction, self.chain_budget, self.max_chain = max_delta_fraction, chain_budget, max_chain
-        self.keep_versions, self.producer_id = keep_versions, producer_id
+        self.keep_versions, self.producer_id, self.attempts = keep_versions, producer_id, attempts
         self._producer = bus.producer() if bus is not None else None
         self.announcements: list[WeightAnnouncement] = []
         self.errors: list[BaseException] = []
@@ -177,6 +181,7 @@ class Publisher:
     # ---- background worker -----------------------------------------------------------
 
     def _run(self) -> None:
+        failures = 0  # failed attempts in a row
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending is not None or self._closing)
@@ -189,17 +194,46 @@ class Publisher:
                 sha = self._publish_one(version, buf, consumed)
                 ok = True
             except Exception as e:  # keep publishing later versions; the caller sees self.errors
-                log.exception("publisher %s: version %d failed; the next version will be a delta from the last published", self.policy, version)
+                log.warning("publisher %s: version %d failed (%s: %s); the next version will be a delta from the "
+                            "last published, %s", self.policy, version, type(e).__name__, e,
+                            self._base[0] if self._base is not None else None)
+                log.debug("publisher %s: version %d failed", self.policy, version, exc_info=True)
                 self.errors.append(e)
             with self._cv:
                 if ok:
+                    failures = 0
                     if self._base is not None:
                         self._free.append(self._base[1])
                     self._base = (version, buf, sha)
+                elif self._pending is None and not self._closing:
+                    # Nothing newer to publish: retry this version after a back-off, so that a trainer
+                    # holding for the store (see durable_version) is released once the store is back.
+                    failures += 1
+                    self._pending = (version, buf, consumed)
+                    self._busy = False
+                    self._cv.notify_all()
+                    self._cv.wait_for(lambda: self._closing or self._pending[0] != version,
+                                      timeout=min(2.0 ** failures, 30.0))
+                    continue
                 else:
                     self._free.append(buf)
                 self._busy = False
                 self._cv.notify_all()
+
+    @property
+    def durable_version(self) -> int | None:
+        """The newest version stored and announced (None: none yet)."""
+        with self._cv:
+            return self._base[0] if self._base is not None else None
+
+    def _put(self, key: str, data) -> None:
+        """``store.put`` with retries: a transient store failure costs a back-off, not the version."""
+        for attempt in Retrying(stop=stop_after_attempt(self.attempts), reraise=True,
+                                wait=wait_exponential(multiplier=0.5, max=5.0),
+                                retry=retry_if_exception_type(StoreError),
+                                before_sleep=before_sleep_log(log, logging.WARNING)):
+            with attempt:
+                self.store.put(key, data)
 
     def _publish_one(self, version: int, buf: Buffer, samples_consumed: int | None) -> str:
         full_bytes = sum(t.numel() * t.element_size() for t in buf.values())
@@ -221,7 +255,7 @@ class Publisher:
         kind = "full"
         if delta is not None:
             d = len(delta.data)
-            self.store.put(self.store.key(self.policy, version, "delta"), delta.data)
+            self._put(self.store.key(self.policy, version, "delta"), delta.data)
             chain = self._chain_bytes + d
             k_est = int(self.chain_budget * full_bytes / max(d, 1))
             if chain > self.chain_budget * full_bytes or self._chain_len + 1 > self.max_chain:
@@ -241,7 +275,7 @@ class Publisher:
                 path = Path(tmp) / "full.safetensors"
                 save_full(buf, path, version=version, sha256=sha)
                 size = path.stat().st_size
-                self.store.put(key, path)
+                self._put(key, path)
             self._chain_bytes, self._chain_len = 0, 0
         ann = WeightAnnouncement(
             policy=self.policy, version=version, kind=kind, uri=self.store.uri_of(key), bytes=size, sha256=sha,

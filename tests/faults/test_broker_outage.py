@@ -30,12 +30,13 @@ def test_a_broker_outage_is_ridden_out(tmp_path, private_broker):
     launcher = subprocess.Popen(
         [sys.executable, "-m", "astraflow", "run", "examples/arith-tiny.yaml", f"run={run}", f"run_dir={run_dir}",
          f"bus={private_broker.url}", f"policies.actor.steps={STEPS}", "policies.actor.checkpoint_every=5"],
-        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
         while steps_trained(run_dir) < 10:
-            assert launcher.poll() is None and time.monotonic() < deadline, "no training progress"
+            assert launcher.poll() is None, launcher.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "no training progress"
             time.sleep(0.2)
         private_broker.stop()
         time.sleep(45)
