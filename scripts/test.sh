@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the whole test suite. Installs .venv if needed and starts a local Kafka
 # broker (scripts/kafka-local.sh) when none answers on 127.0.0.1:${KAFKA_PORT:-9092};
-# a broker this script started is stopped at the end.
+# a broker this script started is stopped at the end. Tests run on PYTEST_WORKERS
+# processes (pytest-xdist; default 2, one per core of a CI machine; 0 runs them in this process).
 #   scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -14,4 +15,4 @@ fi
 cleanup() { if [ "$started" = 1 ]; then scripts/kafka-local.sh stop || true; fi; }
 trap cleanup EXIT
 export ASTRAFLOW_TEST_KAFKA="127.0.0.1:${KAFKA_PORT:-9092}"
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" "$@"

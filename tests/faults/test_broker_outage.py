@@ -16,7 +16,7 @@ from topics.names import TopicNames
 from topics.schemas import Prompt, TrajectoryGroup
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 60
+STEPS = 30
 
 
 def steps_trained(run_dir: Path) -> int:
