@@ -19,14 +19,17 @@ from trainer.model import DTYPES, load_causal_lm, resolve_device, token_logprobs
 
 
 class WeightPublisher(Protocol):
-    """Anything with ``publish(state_dict, version, samples_consumed)`` and ``durable_version`` (the
-    newest version stored and announced, None before any), e.g. ``weights.publisher.Publisher``."""
+    """Anything with ``publish(state_dict, version, samples_consumed)``, ``durable_version`` (the
+    newest version stored and announced, None before any) and ``errors`` (failed publishes), e.g.
+    ``weights.publisher.Publisher``."""
 
     def publish(self, state_dict: dict[str, torch.Tensor], version: int,
                 samples_consumed: int | None = None) -> Any: ...
 
     @property
     def durable_version(self) -> int | None: ...
+
+    errors: list[BaseException]
 
 
 class Trainer:

@@ -234,11 +234,12 @@ class TrainerService:
         self._progress_sent, self._progress_ts = now, time.monotonic()
 
     def _store_behind(self) -> bool:
-        """True while the newest durable version is more than ``max(max_staleness, 4)`` behind the
-        trainer (the store is failing): RaaS cannot get newer weights, so what it rolls out now would
-        only be dropped as stale. Logged at most every 30 s."""
+        """True while publishes have failed and the newest durable version is more than
+        ``max(max_staleness, 4)`` behind the trainer (the store is failing): RaaS cannot get newer
+        weights, so what it rolls out now would only be dropped as stale. A trainer that has not
+        published yet (e.g. just restarted from a checkpoint) is not held. Logged at most every 30 s."""
         publisher = self.trainer.publisher
-        if publisher is None:
+        if publisher is None or not publisher.errors:
             return False
         durable = publisher.durable_version or 0  # version 0, the base model, is always there
         behind = self.trainer.version - durable > max(self.config.max_staleness, 4)
