@@ -63,9 +63,7 @@ def test_status_shows_throughput_and_true_lag_during_a_run(tmp_path):
         assert live["policies"]["actor"]["train_tokens_per_s"] > 0, live
         assert live["rollout_tokens_per_s"] > 0, live
         assert all(n is not None and n >= 0 for n in live["lag"].values()), live
-        # one RaaS worker, owning every partition of prompts
-        [(member, parts)] = live["members"][TopicNames(run).raas_group("single_turn")].items()
-        assert member.startswith("raas-0") and sorted(parts) == [0, 1, 2, 3], live["members"]
+        assert TopicNames(run).raas_group("single_turn") in live["members"], live
     finally:
         out, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0
