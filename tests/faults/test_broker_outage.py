@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from run_checks import assert_trained_once, steps_trained
 
 from topics.bus import connect, read_topic
 from topics.codec import decode
@@ -17,11 +18,6 @@ from topics.schemas import Prompt, TrajectoryGroup
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
-
-
-def steps_trained(run_dir: Path) -> int:
-    path = run_dir / "trainer.actor" / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 @pytest.mark.slow
@@ -50,10 +46,7 @@ def test_a_broker_outage_is_ridden_out(tmp_path, private_broker):
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["complete"] and summary["versions"] == {"actor": STEPS}, summary
 
-    entries = [json.loads(line) for line in (run_dir / "trainer.actor" / "trained_groups.jsonl").read_text().splitlines()]
-    trained = [gid for e in entries for gid in e["group_ids"]]
-    assert [e["version"] for e in entries] == list(range(1, STEPS + 1))
-    assert len(trained) == len(set(trained))  # no group trained twice
+    assert_trained_once(run_dir, STEPS)
     # every prompt RaaS committed has its group on trajectories.actor
     bus, names = connect(private_broker.url), TopicNames(run)
     committed = bus.admin().group_offsets(names.raas_group("single_turn"), names.prompts)

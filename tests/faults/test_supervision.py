@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from run_checks import assert_trained_once, steps_trained
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
@@ -27,11 +28,6 @@ def component_pid(run_dir: Path, command: str) -> int | None:
         if b"astraflow" in argv and command.encode() in argv and f"run_dir={run_dir}".encode() in argv:
             return int(proc.name)
     return None
-
-
-def steps_trained(run_dir: Path) -> int:
-    path = run_dir / "trainer.actor" / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 @pytest.mark.slow
@@ -63,10 +59,7 @@ def test_killed_components_are_restarted_and_the_run_completes(tmp_path):
     assert summary["complete"] is True and summary["versions"] == {"actor": STEPS}, summary
     assert summary["restarts"] == 3 and all(f"restarted {c}" in err for c in commands), summary
     # no group trained twice, across the restarts
-    entries = [json.loads(line) for line in (run_dir / "trainer.actor" / "trained_groups.jsonl").read_text().splitlines()]
-    trained = [gid for e in entries for gid in e["group_ids"]]
-    assert [e["version"] for e in entries] == list(range(1, STEPS + 1))
-    assert len(trained) == len(set(trained))
+    assert_trained_once(run_dir, STEPS)
 
 
 @pytest.mark.slow
