@@ -51,6 +51,7 @@ console = Console(stderr=True)
 MAX_RESTARTS = 5          # restarts in a row per component before the run fails
 RESTART_BACKOFF_S = (1.0, 30.0)  # first back-off, doubling up to the second
 HEALTHY_S = 60.0          # a component that ran this long before dying starts a new row of restarts
+VIEW_JOIN_S = 150.0       # > one live-view round with the bus down: lags (10 s metadata + 30 s offsets), members (30 s), watchdog lags (40 s)
 
 
 @dataclass
@@ -271,12 +272,18 @@ class Launcher:
             done.set()
             self._stop_all()
             if view is not None:
-                view.join(timeout=60.0)
-            try:
-                monitor.poll(1.0)
-                monitor.close()
-            except BusError as e:
-                console.print(f"[yellow]the last metrics could not be read: {e}[/]")
+                # The view's requests are bounded (a down bus costs one timeout per kind of request), so this
+                # ends; the monitor's clients must not be used by two threads or closed under the view.
+                view.join(timeout=VIEW_JOIN_S)
+            if view is not None and view.is_alive():
+                console.print(f"[yellow]the live view still waits on the bus after {VIEW_JOIN_S:.0f} s; "
+                              f"the last metrics are not read[/]")
+            else:
+                try:
+                    monitor.poll(1.0)
+                    monitor.close()
+                except BusError as e:
+                    console.print(f"[yellow]the last metrics could not be read: {e}[/]")
         wall = time.monotonic() - t0
         console.print()  # end the live view's line, so the JSON summary starts on its own line
         summary = self._write_outputs(monitor, wall)

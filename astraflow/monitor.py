@@ -88,24 +88,28 @@ class RunMonitor:
         return pairs
 
     def members(self) -> dict[str, dict[str, list[int]]]:
-        """Per consumer group of the run, its live members -> the partitions each owns (empty: unknown)."""
-        out = {}
+        """Per consumer group of the run, its live members -> the partitions each owns (empty: unknown).
+        After the first group the bus cannot describe (e.g. the broker is down), the rest are not asked:
+        each request could wait out its timeout, and a view must not hang for minutes."""
+        out, down = {}, False
         for group, _ in self._groups():
             try:
-                out[group] = {m: [tp.partition for tp in tps] for m, tps in self.admin.group_members(group).items()}
+                out[group] = {} if down else {
+                    m: [tp.partition for tp in tps] for m, tps in self.admin.group_members(group).items()}
             except BusError:
-                out[group] = {}
+                out[group], down = {}, True
         return out
 
     def lags(self) -> dict[tuple[str, str], int | None]:
         """Per (consumer group, topic), the total lag in records from committed offsets (None: unknown,
-        e.g. the topic does not exist yet)."""
-        out = {}
+        e.g. the topic does not exist yet, or the bus did not answer). After the first pair the bus cannot
+        answer for, the rest are not asked (each request could wait out its timeout)."""
+        out, down = {}, False
         for group, topic in self._groups():
             try:
-                out[(group, topic)] = sum(self.admin.group_lag(group, topic).values())
+                out[(group, topic)] = None if down else sum(self.admin.group_lag(group, topic).values())
             except BusError:
-                out[(group, topic)] = None
+                out[(group, topic)], down = None, True
         return out
 
     def rollout_throughput(self, window_s: float = 30.0, now: float | None = None) -> float:

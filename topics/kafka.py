@@ -29,7 +29,6 @@ from confluent_kafka.admin import (
     ConfigResource,
     NewTopic,
 )
-from confluent_kafka import ConsumerGroupTopicPartitions
 
 from topics.bus import (
     Admin,
@@ -44,6 +43,7 @@ from topics.bus import (
     TopicPartition,
     offsets_after,
 )
+from topics.kafka_groups import GroupDescriber
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +372,8 @@ class KafkaConsumer(Consumer):
 
 
 class KafkaAdmin(Admin):
-    """Topic administration and group offsets through confluent-kafka's AdminClient."""
+    """Topic administration through confluent-kafka's AdminClient; group offsets and watermarks through
+    consumers; group membership through a helper process (:mod:`topics.kafka_groups`)."""
 
     def __init__(self, bootstrap: str, connect_timeout_s: float = 10.0):
         # an unreachable broker is reported once, by the BusError below, not by a librdkafka
@@ -380,6 +381,8 @@ class KafkaAdmin(Admin):
         self._a = AdminClient({"bootstrap.servers": bootstrap, **_Reporter("admin").conf()})
         self._bootstrap = bootstrap
         self._watermark_reader: _Consumer | None = None
+        self._offset_readers: dict[str, _Consumer] = {}  # group -> a consumer that only reads its offsets
+        self._describer: GroupDescriber | None = None
         try:
             self._a.list_topics(timeout=connect_timeout_s)
         except KafkaException as e:
@@ -481,22 +484,25 @@ class KafkaAdmin(Admin):
 
     def group_offsets(self, group: str, topic: str) -> dict[int, int | None]:
         parts = self._partitions(topic)
-        req = ConsumerGroupTopicPartitions(group, [_TP(topic, p) for p in parts])
+        # The consumer API's OffsetFetch, by a member of no group (it never subscribes), rather than the
+        # AdminClient's request futures, which can crash the process across a broker outage.
+        if group not in self._offset_readers:
+            self._offset_readers[group] = _Consumer({"bootstrap.servers": self._bootstrap, "group.id": group,
+                                                     **_Reporter(f"offsets {group}").conf(),
+                                                     "enable.auto.commit": False})
         try:
-            res = self._a.list_consumer_group_offsets([req])[group].result(30)
-        except (KafkaException, TimeoutError) as e:
+            res = self._offset_readers[group].committed([_TP(topic, p) for p in parts], timeout=30)
+        except KafkaException as e:
             raise BusError(f"cannot read offsets of group {group}: {e}") from None
-        return {tp.partition: (tp.offset if tp.offset >= 0 else None) for tp in res.topic_partitions}
+        return {tp.partition: (tp.offset if tp.offset >= 0 else None) for tp in res}
 
 
     def group_members(self, group: str) -> dict[str, list[TopicPartition]]:
-        try:
-            desc = self._a.describe_consumer_groups([group])[group].result(30)
-        except (KafkaException, TimeoutError) as e:
-            raise BusError(f"cannot describe group {group}: {e}") from None
-        return {f"{m.group_instance_id or m.client_id} {m.member_id}":
-                sorted(TopicPartition(tp.topic, tp.partition) for tp in m.assignment.topic_partitions)
-                for m in desc.members}
+        """Through a helper process (:mod:`topics.kafka_groups`): librdkafka's DescribeGroups can abort the
+        process across a broker outage. Raises BusError when the cluster does not answer."""
+        if self._describer is None:
+            self._describer = GroupDescriber(self._bootstrap)
+        return self._describer.members(group)
 
 
 class KafkaBus(Bus):
