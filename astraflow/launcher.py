@@ -171,6 +171,7 @@ class Launcher:
         self.components = plan_components(cfg, config_path, overrides)
         self.stopping = False
         self._stall: dict[str, tuple[int | None, float, float]] = {}  # policy -> (version, since, last told)
+        self._publish_seen: dict[str, tuple[int, bool]] = {}  # policy -> (publish errors, failing) last told
 
     def _start(self, comp: Component) -> None:
         comp.log.parent.mkdir(parents=True, exist_ok=True)
@@ -304,6 +305,7 @@ class Launcher:
                     live.update(monitor.table(f"run {self.cfg.run}  {time.monotonic() - t0:.0f} s"))
                     last = time.monotonic()
                 self._watchdog(monitor)
+                self._publish_alerts(monitor)
                 if trouble:
                     console.print("[green]the bus answers again[/]")
                     trouble = ""
@@ -336,6 +338,20 @@ class Launcher:
                           f"[/] samples.{p} lag {samples} (committed), trajectories.{p} lag {filtered}; "
                           + (f"paused: {', '.join(paused)} (reason in their logs)" if paused
                              else "no RaaS worker reports a pause"))
+
+    def _publish_alerts(self, monitor: RunMonitor) -> None:
+        """One console line when a trainer's weight publishes start failing (or fail again), and one when
+        they are durable again (from the trainers' ``publish_errors`` alerts on ``metrics``)."""
+        for p, view in monitor.views.items():
+            seen = self._publish_seen.get(p, (0, False))
+            if (view.publish_errors, view.publish_failing) == seen:
+                continue
+            self._publish_seen[p] = (view.publish_errors, view.publish_failing)
+            if view.publish_failing:
+                console.print(f"[bold yellow]trainer.{p}: {view.publish_errors} failed weight publish(es); the newest "
+                              f"durable version is {view.durable_version} (reason in logs/trainer.{p}.log)[/]")
+            else:
+                console.print(f"[green]trainer.{p}: weights are durable again (version {view.durable_version})[/]")
 
     def _trainer_versions(self) -> dict[str, int]:
         """Each trainer's last reported version (its :class:`TrainerProgress` on ``control``)."""

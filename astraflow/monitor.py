@@ -27,6 +27,9 @@ class PolicyView:
     kl: float | None = None
     tokens_per_s: float | None = None
     staleness: float | None = None
+    publish_errors: int = 0  # failed weight publishes so far (the trainer's alerts)
+    publish_failing: bool = False
+    durable_version: int | None = None
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, reward mean)
 
 
@@ -66,7 +69,12 @@ class RunMonitor:
             self.components[m.component] = m
             if m.kind == "raas" and "tokens_total" in m.values:
                 self._rollout_tokens.setdefault(m.component, []).append((m.ts, m.values["tokens_total"]))
-            if m.kind == "trainer" and m.policy in self.views:
+            if m.kind == "trainer" and m.policy in self.views and "publish_errors" in m.values:
+                v = self.views[m.policy]
+                v.publish_errors = int(m.values["publish_errors"])
+                v.publish_failing = bool(m.values.get("publish_failing"))
+                v.durable_version = int(m.values.get("durable_version", 0))
+            elif m.kind == "trainer" and m.policy in self.views:
                 v = self.views[m.policy]
                 v.step = m.step or v.step
                 v.version = int(m.values.get("version", v.step))
@@ -136,7 +144,9 @@ class RunMonitor:
         """The monitor's figures as plain data (``astraflow status --json``)."""
         return {
             "policies": {p: {"step": v.step, "version": v.version, "reward": v.reward, "kl": v.kl,
-                             "train_tokens_per_s": v.tokens_per_s, "staleness": v.staleness}
+                             "train_tokens_per_s": v.tokens_per_s, "staleness": v.staleness,
+                             "publish_errors": v.publish_errors, "publish_failing": v.publish_failing,
+                             "durable_version": v.durable_version}
                          for p, v in self.views.items()},
             "rollout_tokens_per_s": self.rollout_throughput(),
             "lag": {f"{group} {topic}": n for (group, topic), n in self.lags().items()},
@@ -146,12 +156,14 @@ class RunMonitor:
     def table(self, title: str = "") -> Group:
         """Rich tables: per policy step, version, reward, KL, throughput, staleness; then lag per group."""
         t = Table(title=title or f"run {self.names.run}")
-        for col in ("policy", "step", "version", "reward", "KL", "train tok/s", "staleness"):
+        for col in ("policy", "step", "version", "reward", "KL", "train tok/s", "staleness", "publish errors"):
             t.add_column(col, justify="right" if col != "policy" else "left")
         fmt = lambda x, f="{:.3f}": "-" if x is None else f.format(x)  # noqa: E731
         for p, v in self.views.items():
             t.add_row(p, str(v.step), str(v.version), fmt(v.reward), fmt(v.kl, "{:.4f}"),
-                      fmt(v.tokens_per_s, "{:.0f}"), fmt(v.staleness, "{:.2f}"))
+                      fmt(v.tokens_per_s, "{:.0f}"), fmt(v.staleness, "{:.2f}"),
+                      f"[bold red]{v.publish_errors} (durable {v.durable_version})[/]" if v.publish_failing
+                      else str(v.publish_errors))
         lag = Table(title=f"rollout {self.rollout_throughput():.0f} tok/s; consumer-group lag")
         for col in ("consumer group", "topic", "lag"):
             lag.add_column(col, justify="right" if col == "lag" else "left")

@@ -1,5 +1,7 @@
 """Shared test fixtures.
 
+``s3_endpoint`` is a real S3-compatible server (moto_server, a subprocess on loopback) for the session.
+
 ``bus_url`` runs a test once per bus backend: the embedded ``local://`` bus in a
 temporary directory, and the real Kafka broker at ``$ASTRAFLOW_TEST_KAFKA``
 (default 127.0.0.1:9092; CI starts it with ``scripts/kafka-local.sh start``).
@@ -7,7 +9,12 @@ A missing broker fails the Kafka tests: it is never skipped.
 """
 import os
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 
 KAFKA = os.environ.get("ASTRAFLOW_TEST_KAFKA", "127.0.0.1:9092")
@@ -56,3 +63,29 @@ def tiny_model_dir():
     (see :func:`astraflow.models.tiny_model_dir`)."""
     from astraflow.models import tiny_model_dir as build
     return build()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """``http://127.0.0.1:<port>`` of a moto S3 server run as a subprocess for the session."""
+    exe = Path(sys.executable).with_name("moto_server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(url, timeout=1)
+                break
+            except httpx.HTTPError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not start on {url} (exit code {proc.poll()})")
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

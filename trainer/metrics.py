@@ -72,6 +72,18 @@ class MetricsSink:
         if self._wandb is not None:
             self._wandb.log(vals, step=step)
 
+    def alert(self, values: dict[str, Any]) -> None:
+        """Send a condition that is not a training step (e.g. ``publish_errors``) to the bus and the console
+        at once (flushed), not to the per-step sinks (JSONL, TensorBoard, W&B)."""
+        vals = {k: float(v) for k, v in values.items()}
+        if self.producer is not None:
+            msg = Metric(component=self.component, kind="trainer", policy=self.policy, values=vals)
+            self.producer.send(self.topic, encode(msg), key=self.component, headers=headers_for(msg))
+            self.producer.flush()
+        if self._console is not None:
+            shown = "  ".join(f"{k} [bold]{v:.4g}[/bold]" for k, v in vals.items())
+            self._console.print(f"[yellow]{self.component}[/yellow] {shown}", highlight=False)
+
     def close(self) -> None:
         """Flush the producer and close tracking sinks."""
         if self.producer is not None:

@@ -112,6 +112,7 @@ class TrainerService:
         self._committed: dict = {}
         self._unassigned_logged = time.monotonic()
         self._store_logged = 0.0
+        self._publish_alerted: tuple[int, int | None] = (0, None)  # (publish errors, version while failing)
         self._progress_sent: tuple[int, int, bool, bool] | None = None
         self._progress_ts = 0.0
         self._resume()
@@ -164,6 +165,7 @@ class TrainerService:
         steps_run, last_data = 0, time.monotonic()
         try:
             while self.trainer.version < cfg.steps and not (stop is not None and stop.is_set()):
+                self._report_publish_errors()
                 if self._store_behind():
                     self.report_progress()
                     (stop or threading.Event()).wait(1.0)
@@ -232,6 +234,25 @@ class TrainerService:
         if finished:
             self.producer.flush()
         self._progress_sent, self._progress_ts = now, time.monotonic()
+
+    def _report_publish_errors(self) -> None:
+        """Alert on ``metrics`` (so the live view shows it within seconds) when a publish failed:
+        ``publish_errors`` (failed publishes so far), ``durable_version``, ``version`` and
+        ``publish_failing`` 1; and once more with ``publish_failing`` 0 when a version at least as new
+        as the trainer's at the last failure is durable again."""
+        publisher = self.trainer.publisher
+        if publisher is None or not publisher.errors:
+            return
+        errors, durable = len(publisher.errors), publisher.durable_version or 0
+        alerted, failing_at = self._publish_alerted
+        if errors != alerted:
+            self._publish_alerted = (errors, self.trainer.version)
+        elif failing_at is not None and durable >= failing_at:
+            self._publish_alerted = (errors, None)
+        else:
+            return
+        self.metrics.alert({"publish_errors": errors, "durable_version": durable, "version": self.trainer.version,
+                            "publish_failing": float(self._publish_alerted[1] is not None)})
 
     def _store_behind(self) -> bool:
         """True while publishes have failed and the newest durable version is more than

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +27,10 @@ from obstore.store import from_url
 Kind = Literal["delta", "full"]
 #: Object file name of each kind.
 FILENAMES: dict[str, str] = {"delta": "delta.zst", "full": "full.safetensors"}
+#: obstore retries a failed S3 request (connection errors, 5xx, timeouts) with back-off for at most this
+#: long, then raises: an unreachable store shows up as a failed publish or pull (retried by the caller)
+#: within seconds, not after obstore's default of 3 minutes.
+RETRY_TIMEOUT_S = 20.0
 _KEY = re.compile(r"^(?P<policy>[^/]+)/(?P<version>\d{8})/(?P<file>delta\.zst|full\.safetensors)$")
 
 
@@ -80,7 +85,8 @@ class WeightStore:
                 endpoint = (options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3")
                             or os.environ.get("AWS_ENDPOINT_URL") or "")
                 client = {"allow_http": True} if str(endpoint).startswith("http://") else None
-                self._store = from_url(uri, config=options or None, client_options=client)
+                self._store = from_url(uri, config=options or None, client_options=client,
+                                       retry_config={"retry_timeout": timedelta(seconds=RETRY_TIMEOUT_S)})
         except StoreError:
             raise
         except Exception as e:

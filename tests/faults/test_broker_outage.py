@@ -9,12 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from run_checks import assert_trained_once, steps_trained
-
-from topics.bus import connect, read_topic
-from topics.codec import decode
-from topics.names import TopicNames
-from topics.schemas import Prompt, TrajectoryGroup
+from run_checks import assert_committed_prompts_grouped, assert_trained_once, steps_trained
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
@@ -47,10 +42,4 @@ def test_a_broker_outage_is_ridden_out(tmp_path, private_broker):
     assert summary["complete"] and summary["versions"] == {"actor": STEPS}, summary
 
     assert_trained_once(run_dir, STEPS)
-    # every prompt RaaS committed has its group on trajectories.actor
-    bus, names = connect(private_broker.url), TopicNames(run)
-    committed = bus.admin().group_offsets(names.raas_group("single_turn"), names.prompts)
-    done = {decode(r.value, Prompt).prompt_id for r in read_topic(bus, names.prompts)
-            if r.offset < (committed[r.partition] or 0)}
-    grouped = {decode(r.value, TrajectoryGroup).prompt_id for r in read_topic(bus, names.trajectories("actor"))}
-    assert done and done <= grouped, sorted(done - grouped)[:5]
+    assert_committed_prompts_grouped(private_broker.url, run)

@@ -1,5 +1,6 @@
 """`astraflow run` supervises: a component killed with SIGKILL is restarted and the run still reaches
-its steps, training no group twice; a run that did not reach its steps exits non-zero."""
+its steps, training no group twice and losing no committed prompt (on both buses); a run that did not
+reach its steps exits non-zero."""
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from run_checks import assert_trained_once, steps_trained
+from run_checks import assert_committed_prompts_grouped, assert_trained_once, steps_trained
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
@@ -31,15 +32,15 @@ def component_pid(run_dir: Path, command: str) -> int | None:
 
 
 @pytest.mark.slow
-def test_killed_components_are_restarted_and_the_run_completes(tmp_path):
-    # One run: SIGKILL the RaaS worker, then the filter processor, then the trainer, 8 steps apart.
-    run_dir = tmp_path / "run"
-    args = ["examples/arith-tiny.yaml", f"run=sup{uuid.uuid4().hex[:8]}", f"run_dir={run_dir}",
+def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url):
+    # One run: SIGKILL the RaaS worker, acquisition, the filter processor, then the trainer, 8 steps apart.
+    run, run_dir = f"sup{uuid.uuid4().hex[:8]}", tmp_path / "run"
+    args = ["examples/arith-tiny.yaml", f"run={run}", f"run_dir={run_dir}", f"bus={bus_url}",
             f"policies.actor.steps={STEPS}", "policies.actor.checkpoint_every=5"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launcher = subprocess.Popen([sys.executable, "-m", "astraflow", "run", *args], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    commands = ["raas", "policy", "trainer"]
+    commands = ["raas", "acquire", "policy", "trainer"]
     try:
         deadline = time.monotonic() + 400
         for i, command in enumerate(commands):
@@ -57,9 +58,10 @@ def test_killed_components_are_restarted_and_the_run_completes(tmp_path):
     assert launcher.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["complete"] is True and summary["versions"] == {"actor": STEPS}, summary
-    assert summary["restarts"] == 3 and all(f"restarted {c}" in err for c in commands), summary
-    # no group trained twice, across the restarts
+    assert summary["restarts"] == 4 and all(f"restarted {c}" in err for c in commands), summary
+    # no group trained twice, no committed prompt without its group, across the restarts
     assert_trained_once(run_dir, STEPS)
+    assert_committed_prompts_grouped(bus_url, run)
 
 
 @pytest.mark.slow

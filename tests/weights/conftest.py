@@ -1,39 +1,8 @@
-"""Fixtures for weight tests: a real S3-compatible server (moto_server, a separate process on loopback)."""
-import socket
-import subprocess
-import sys
-import time
+"""Fixtures for weight tests: a fresh bucket on the session's S3 server (``s3_endpoint``, tests/conftest.py)."""
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """``http://127.0.0.1:<port>`` of a moto S3 server run as a subprocess for the session."""
-    exe = Path(sys.executable).with_name("moto_server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(url, timeout=1)
-                break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start on {url} (exit code {proc.poll()})")
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture
