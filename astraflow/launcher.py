@@ -21,7 +21,8 @@ condition). The summary's ``complete`` says whether
 every trainer reached its steps; ``astraflow run`` exits non-zero when not.
 
 Outputs in the run directory: ``metrics.jsonl`` (every Metric record),
-``reward_curve.png``, ``components.json`` (each component's exit code) and
+``reward_curve.png``, ``components.json`` (each component's pid, exit code and restarts, kept
+current while the run goes) and
 ``logs/<component>.log``.
 """
 from __future__ import annotations
@@ -180,6 +181,19 @@ class Launcher:
             comp.proc = subprocess.Popen(comp.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
         comp.started_at = time.monotonic()
+        self._write_components()
+
+    def _write_components(self) -> None:
+        """``components.json`` in the run directory: per component its ``pid`` (the live or last process),
+        ``exit_code`` (None while it runs) and ``restarts``; rewritten atomically at each start and at
+        the end, so operators and fault tools can find the live processes."""
+        codes = {c.name: {"pid": c.proc.pid if c.proc else None,
+                          "exit_code": c.proc.poll() if c.proc else None, "restarts": c.restarts}
+                 for c in self.components}
+        path = self.cfg.run_dir / "components.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(codes, indent=1))
+        os.replace(tmp, path)
 
     def _stop_all(self, grace_s: float = 60.0) -> None:
         live = [c for c in self.components if c.proc and c.proc.poll() is None]
@@ -367,9 +381,7 @@ class Launcher:
 
     def _write_outputs(self, monitor: RunMonitor, wall_s: float) -> dict:
         run_dir = self.cfg.run_dir
-        codes = {c.name: {"exit_code": c.proc.returncode if c.proc else None, "restarts": c.restarts}
-                 for c in self.components}
-        (run_dir / "components.json").write_text(json.dumps(codes, indent=1))
+        self._write_components()
         with open(run_dir / "metrics.jsonl", "w") as f:
             for m in monitor.records:
                 f.write(json.dumps(m.model_dump(mode="json")) + "\n")

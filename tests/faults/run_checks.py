@@ -1,11 +1,9 @@
 """Checks on an ``astraflow run`` directory shared by the fault tests."""
-import json
 from pathlib import Path
 
-from topics.bus import connect, read_topic
-from topics.codec import decode
+from astraflow.audit import audit_run
+from topics.bus import connect
 from topics.names import TopicNames
-from topics.schemas import Prompt, TrajectoryGroup
 
 
 def steps_trained(run_dir: Path) -> int:
@@ -14,20 +12,12 @@ def steps_trained(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def assert_trained_once(run_dir: Path, steps: int) -> None:
-    """Versions 1..``steps`` were each trained once, and no group was trained twice."""
-    log = run_dir / "trainer.actor" / "trained_groups.jsonl"
-    entries = [json.loads(line) for line in log.read_text().splitlines()]
-    trained = [gid for e in entries for gid in e["group_ids"]]
-    assert [e["version"] for e in entries] == list(range(1, steps + 1))
-    assert len(trained) == len(set(trained)), "a group was trained twice"
-
-
-def assert_committed_prompts_grouped(bus_url: str, run: str, workflow: str = "single_turn") -> None:
-    """Every prompt the RaaS group committed on ``prompts`` has its group on ``trajectories.actor``."""
-    bus, names = connect(bus_url), TopicNames(run)
-    committed = bus.admin().group_offsets(names.raas_group(workflow), names.prompts)
-    done = {decode(r.value, Prompt).prompt_id for r in read_topic(bus, names.prompts)
-            if r.offset < (committed[r.partition] or 0)}
-    grouped = {decode(r.value, TrajectoryGroup).prompt_id for r in read_topic(bus, names.trajectories("actor"))}
-    assert done and done <= grouped, sorted(done - grouped)[:5]
+def assert_exactly_once(run: str, run_dir: Path, steps: int, bus_url: str | None = None) -> None:
+    """Versions 1..``steps`` were each trained once, no group was trained twice, and every prompt the RaaS
+    group committed has its group (:func:`astraflow.audit.audit_run`; ``bus_url`` defaults to the run's
+    embedded bus)."""
+    audit = audit_run(connect(bus_url or f"local://{run_dir / 'bus'}"), TopicNames(run), run_dir, "actor",
+                      "single_turn")
+    assert audit.versions == list(range(1, steps + 1)), audit.versions
+    assert not audit.trained_twice, f"groups trained twice: {audit.trained_twice[:5]}"
+    assert audit.committed_prompts > 0 and not audit.lost, f"committed prompts without a group: {audit.lost[:5]}"

@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from run_checks import assert_committed_prompts_grouped, assert_trained_once, steps_trained
+from run_checks import assert_exactly_once, steps_trained
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
@@ -41,5 +41,4 @@ def test_a_broker_outage_is_ridden_out(tmp_path, private_broker):
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["complete"] and summary["versions"] == {"actor": STEPS}, summary
 
-    assert_trained_once(run_dir, STEPS)
-    assert_committed_prompts_grouped(private_broker.url, run)
+    assert_exactly_once(run, run_dir, STEPS, private_broker.url)

@@ -11,24 +11,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-from run_checks import assert_committed_prompts_grouped, assert_trained_once, steps_trained
+from run_checks import assert_exactly_once, steps_trained
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
 
 
-def component_pid(run_dir: Path, command: str) -> int | None:
-    """The pid of the live ``python -m astraflow <command> ...`` process of the run in ``run_dir``."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"astraflow" in argv and command.encode() in argv and f"run_dir={run_dir}".encode() in argv:
-            return int(proc.name)
-    return None
+def component_pid(run_dir: Path, name: str) -> int | None:
+    """The pid of the run's live component ``name`` (from the launcher's ``components.json``)."""
+    entry = json.loads((run_dir / "components.json").read_text())[name]
+    return entry["pid"] if entry["exit_code"] is None else None
 
 
 @pytest.mark.slow
@@ -40,16 +32,16 @@ def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launcher = subprocess.Popen([sys.executable, "-m", "astraflow", "run", *args], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    commands = ["raas", "acquire", "policy", "trainer"]
+    components = ["raas-0", "acquire", "policy.actor", "trainer.actor"]
     try:
         deadline = time.monotonic() + 400
-        for i, command in enumerate(commands):
+        for i, name in enumerate(components):
             while steps_trained(run_dir) < 8 * (i + 1):
                 assert launcher.poll() is None, launcher.communicate()[1][-4000:]
                 assert time.monotonic() < deadline, "no training progress"
                 time.sleep(0.2)
-            pid = component_pid(run_dir, command)
-            assert pid is not None, command
+            pid = component_pid(run_dir, name)
+            assert pid is not None, name
             os.kill(pid, signal.SIGKILL)
         out, err = launcher.communicate(timeout=400)
     finally:
@@ -58,10 +50,9 @@ def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url
     assert launcher.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["complete"] is True and summary["versions"] == {"actor": STEPS}, summary
-    assert summary["restarts"] == 4 and all(f"restarted {c}" in err for c in commands), summary
+    assert summary["restarts"] == 4 and all(f"restarted {c}" in err for c in components), summary
     # no group trained twice, no committed prompt without its group, across the restarts
-    assert_trained_once(run_dir, STEPS)
-    assert_committed_prompts_grouped(bus_url, run)
+    assert_exactly_once(run, run_dir, STEPS, bus_url)
 
 
 @pytest.mark.slow
