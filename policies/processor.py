@@ -41,6 +41,7 @@ from topics.bus import Bus, BusError, TopicPartition, connect, offsets_after
 from topics.codec import encode, headers_for
 from topics.deadletter import ValidatingConsumer
 from topics.names import TopicNames
+from topics.patience import patiently
 from topics.schemas import Metric, Prompt, RolloutOutcome, TrajectoryGroup, WeightAnnouncement
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ class FilterProcessor:
         self.source, self.sink = self.names.trajectories(policy), self.names.samples(policy)
         self.max_records, self.poll_timeout_s, self.linger_s = max_records, poll_timeout_s, linger_s
         self.metrics_interval_s = metrics_interval_s
-        self.producer = bus.producer(transactional_id=f"{run}.filter.{policy}.{instance}")
+        self.bus, self.transactional_id = bus, f"{run}.filter.{policy}.{instance}"
+        self.producer = bus.producer(transactional_id=self.transactional_id)
         self.consumer = bus.consumer(self.group, client_id=self.component, session_timeout_s=session_timeout_s,
                                      instance_id=self.component)
         self.consumer.subscribe([self.source])
@@ -96,6 +98,8 @@ class FilterProcessor:
         self.pending: Counter = Counter()  # counts not yet in a committed metrics record
         self.totals: Counter = Counter()
         self._last_metrics = time.monotonic()
+        self._batch_start: dict[TopicPartition, int] = {}  # the batch in hand: first offset per partition
+        self._broken = False  # the last transaction failed: recover before the next
 
     def decide(self, group: TrajectoryGroup) -> Decision:
         """The chain's decision: the first filter that drops ``group`` gives the reason."""
@@ -109,8 +113,8 @@ class FilterProcessor:
         """Poll one batch and process it in one transaction; returns the number of records consumed.
 
         Raises:
-            BusError: the transaction failed (it was aborted: nothing of it is
-                visible and the offsets are not committed); restart the processor.
+            BusError: the transaction failed (it was aborted: nothing of it is visible and the offsets
+                are not committed); :meth:`run` recovers and retries.
         """
         records = self.consumer.poll(self.max_records, self.poll_timeout_s)
         if records and len(records) < self.max_records and self.linger_s > 0:
@@ -120,6 +124,9 @@ class FilterProcessor:
         if not records and not due:
             return 0
         counts: Counter = Counter(consumed=len(records))
+        self._batch_start = {}
+        for r in records:
+            self._batch_start.setdefault(r.tp, r.offset)
         self.producer.begin_transaction()
         try:
             rejected = self.reader.rejected
@@ -146,6 +153,7 @@ class FilterProcessor:
                 log.debug("abort after a failed transaction: %s", e)
             raise
         self.totals += counts
+        self._batch_start = {}  # committed: nothing to rewind to
         if emit:
             self.pending, self._last_metrics = Counter(), time.monotonic()
         else:
@@ -153,16 +161,46 @@ class FilterProcessor:
         return len(records)
 
     def run(self, stop: threading.Event | None = None) -> None:
-        """Process batches until ``stop`` is set; then write the last counts to ``metrics`` and close."""
+        """Process batches until ``stop`` is set; then write the last counts to ``metrics`` and close.
+        A failed transaction is waited out in place (:func:`topics.patience.patiently`): see
+        :meth:`_step_or_recover`.
+
+        Raises:
+            BusError: the bus failed for longer than the patience, or the producer was fenced.
+        """
         stop = stop or threading.Event()
         try:
             while not stop.is_set():
-                self.step()
+                patiently(f"{self.component}: transaction", self._step_or_recover, log=log)
             self.metrics_interval_s = 0.0
             if self.pending:
-                self.step()
+                patiently(f"{self.component}: transaction", self._step_or_recover, log=log)
         finally:
             self.close()
+
+    def _step_or_recover(self) -> int:
+        """:meth:`step`, after recovering from a failed transaction: a fresh transactional producer with the
+        same ``transactional.id`` (its initialisation fences the old one and aborts what it left open) and
+        the consumer rewound to the aborted batch's first offsets on the partitions it still owns (a
+        partition that moved is re-read by its new owner from the committed offsets). Nothing of an
+        aborted transaction is visible, so the batch is processed exactly once."""
+        if self._broken:
+            try:
+                self.producer.close()
+            except BusError as e:
+                log.debug("closing the failed producer: %s", e)
+            self.producer = self.bus.producer(transactional_id=self.transactional_id)
+            self.reader.producer = self.producer
+            owned = set(self.consumer.assignment())
+            for tp, offset in self._batch_start.items():
+                if tp in owned:
+                    self.consumer.seek(tp, offset)
+            self._broken = False
+        try:
+            return self.step()
+        except BusError:
+            self._broken = True
+            raise
 
     def close(self) -> None:
         """Leave the consumer group and release the producer (an open transaction is never left behind)."""

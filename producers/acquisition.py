@@ -19,6 +19,7 @@ whole dataset onto the topic at once.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import threading
@@ -33,6 +34,9 @@ from producers.sources import PromptSource, load_source
 from topics.bus import Bus
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
+from topics.patience import patiently
+
+log = logging.getLogger(__name__)
 
 
 class AcquisitionError(RuntimeError):
@@ -157,7 +161,8 @@ class Acquisition:
 
     def _wait_for_room(self, need: int, stop: threading.Event) -> bool:
         """Block until ``need`` more prompts fit under ``max_outstanding``; False if stopped first."""
-        while self.max_outstanding is not None and self.outstanding() + need > self.max_outstanding:
+        while self.max_outstanding is not None and \
+                patiently("acquire: pacing lag", self.outstanding, log=log) + need > self.max_outstanding:
             if stop.wait(self.poll_s):
                 return False
         return not stop.is_set()
@@ -209,7 +214,7 @@ class Acquisition:
                     producer.send(self.names.prompts, encode(prompt), key=prompt.prompt_id,
                                   headers=headers_for(prompt, self.producer_id))
                     sent += 1
-                producer.flush()
+                patiently("acquire: flush", producer.flush, log=log)
                 if self.gate is not None:
                     self.gate.flush()
                 self.state.position += len(chunk)

@@ -29,6 +29,7 @@ from astraflow.models import resolve_model
 from producers.engines import Engine, HFEngine, SamplingParams
 from producers.workflows import get_workflow
 from topics.bus import Bus, BusError, connect
+from topics.patience import patiently
 from topics.codec import encode, headers_for
 from topics.deadletter import ValidatingConsumer
 from topics.follow import LatestByKey
@@ -214,11 +215,21 @@ class RaasWorker:
         for _, prompt in batch:
             self.rollout(prompt)
         if self.prompts.last_offsets:
-            self.producer.flush()
-            self.consumer.commit(self.prompts.last_offsets)
+            # Durable first, then committed; a failing broker is waited out here, keeping the batch in hand
+            # (records are idempotent; a redelivered prompt would get the same group ids anyway).
+            patiently(f"{self.id}: flush", self.producer.flush, log=log)
+            patiently(f"{self.id}: commit", self._commit_owned, log=log)
         self.totals["prompts"] += len(batch)
         self._maybe_metrics()
         return len(batch)
+
+    def _commit_owned(self) -> None:
+        """Commit the batch's prompt offsets on the partitions this worker still owns (a partition that
+        moved in a rebalance is re-read by its new owner from the last committed offset)."""
+        owned = set(self.consumer.assignment())
+        offsets = {tp: off for tp, off in self.prompts.last_offsets.items() if tp in owned}
+        if offsets:
+            self.consumer.commit(offsets)
 
     def _maybe_metrics(self, every_s: float = 2.0) -> None:
         if time.monotonic() - self._last_metric < every_s:

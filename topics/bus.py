@@ -61,6 +61,11 @@ class BusError(RuntimeError):
     """A bus operation failed (broker unreachable, unknown topic, bad URL, ...)."""
 
 
+class FatalBusError(BusError):
+    """A bus error that waiting cannot cure (e.g. a transactional producer fenced by a newer instance with
+    the same id): the client is unusable; never retried in place (:mod:`topics.patience`)."""
+
+
 class DeliveryError(BusError):
     """One or more produced records were not acknowledged; ``failures`` lists (topic, key, reason)."""
 

@@ -36,6 +36,7 @@ from topics.bus import (
     BusError,
     Consumer,
     DeliveryError,
+    FatalBusError,
     Headers,
     Producer,
     Record,
@@ -89,6 +90,13 @@ def _headers(headers: Headers | None) -> list[tuple[str, bytes]] | None:
     return [(k, v.encode() if isinstance(v, str) else bytes(v)) for k, v in headers.items()]
 
 
+def _txn_error(what: str, e: KafkaException) -> BusError:
+    """``what: e`` as a :class:`FatalBusError` when librdkafka says the producer is unusable (e.g. fenced
+    by a newer instance with the same ``transactional.id``), else as a (retriable) :class:`BusError`."""
+    err = e.args[0]
+    return (FatalBusError if err.fatal() else BusError)(f"{what}: {err}")
+
+
 def _check_result(what: str, result: Iterable[_TP]) -> None:
     for tp in result:
         if tp.error is not None:
@@ -118,7 +126,7 @@ class KafkaProducer(Producer):
             try:
                 self._p.init_transactions(30)
             except KafkaException as e:
-                raise BusError(f"cannot initialise transactions for {transactional_id!r} on {bootstrap}: {e}") from None
+                raise _txn_error(f"cannot initialise transactions for {transactional_id!r} on {bootstrap}", e) from None
 
     def _on_delivery(self, err, msg) -> None:
         if err is not None:
@@ -156,7 +164,7 @@ class KafkaProducer(Producer):
         try:
             self._p.begin_transaction()
         except KafkaException as e:
-            raise BusError(f"cannot begin a transaction: {e}") from None
+            raise _txn_error("cannot begin a transaction", e) from None
 
     def commit_transaction(self, consumer=None, offsets=None, timeout_s: float = 30.0) -> None:
         try:
@@ -170,6 +178,8 @@ class KafkaProducer(Producer):
             self._p.commit_transaction(timeout_s)
             self._raise_failures()
         except KafkaException as e:
+            if e.args[0].fatal():
+                raise _txn_error("transaction failed", e) from None
             self.abort_transaction(timeout_s)
             raise BusError(f"transaction aborted: {e}") from None
 
@@ -177,7 +187,7 @@ class KafkaProducer(Producer):
         try:
             self._p.abort_transaction(timeout_s)
         except KafkaException as e:
-            raise BusError(f"cannot abort the transaction: {e}") from None
+            raise _txn_error("cannot abort the transaction", e) from None
         finally:
             self._failures.clear()
 

@@ -1,0 +1,48 @@
+"""`patiently`: a failing bus operation is retried in place for a bounded time; fatal and delivery
+errors are not retried."""
+import logging
+import re
+import time
+
+import pytest
+
+from topics.bus import BusError, DeliveryError, FatalBusError
+from topics.patience import patiently
+
+
+def failing(times: int, error: BusError):
+    calls = []
+
+    def fn():
+        calls.append(time.monotonic())
+        if len(calls) <= times:
+            raise error
+        return len(calls)
+    return fn, calls
+
+
+def test_a_transient_error_is_retried_until_it_clears(caplog):
+    fn, calls = failing(2, BusError("broker down"))
+    with caplog.at_level(logging.WARNING):
+        assert patiently("op", fn, patience_s=30) == 3
+    # back-off 0.5 s, then 1 s; one line when the condition starts, one when it clears
+    assert len(calls) == 3 and calls[1] - calls[0] >= 0.45 and calls[2] - calls[1] >= 0.95
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0] == "op: broker down; retrying for up to 30 s", lines
+    assert re.fullmatch(r"op: the bus answers again after \d+ s", lines[1]), lines
+
+
+@pytest.mark.parametrize("error", [FatalBusError("fenced"), DeliveryError([("t", b"k", "timed out")])])
+def test_fatal_and_delivery_errors_are_raised_at_once(error):
+    fn, calls = failing(1, error)
+    with pytest.raises(type(error)):
+        patiently("op", fn, patience_s=30)
+    assert len(calls) == 1
+
+
+def test_the_last_error_is_raised_after_the_patience():
+    fn, calls = failing(1000, BusError("still down"))
+    t0 = time.monotonic()
+    with pytest.raises(BusError, match="still down"):
+        patiently("op", fn, patience_s=1.0)
+    assert 1.0 <= time.monotonic() - t0 < 4.0 and len(calls) >= 2
