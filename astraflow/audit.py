@@ -7,7 +7,7 @@ Two questions, for one policy of a run:
 - **trained twice**: group ids that appear in more than one trained batch of the trainer's
   ``trained_groups.jsonl`` (replayed groups, listed apart as ``replayed_ids``, do not count).
 
-Used by the fault tests and ``scripts/chaos.py``.
+Used by the fault tests and ``scripts/chaos.py``, with :func:`steps_logged` to follow a run's progress.
 """
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ from topics.codec import decode
 from topics.names import TopicNames
 from topics.schemas import Prompt, TrajectoryGroup
 from trainer.service import TRAINED_LOG
+
+
+def steps_logged(run_dir: Path, policy: str) -> int:
+    """Trainer steps of ``policy`` logged so far: lines of ``<run_dir>/trainer.<policy>/metrics.jsonl``."""
+    path = run_dir / f"trainer.{policy}" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 @dataclass

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astraflow.audit import audit_run  # noqa: E402
+from astraflow.audit import audit_run, steps_logged  # noqa: E402
 from topics.bus import connect  # noqa: E402
 from topics.names import TopicNames  # noqa: E402
 
@@ -49,12 +49,6 @@ def broker(action: str, port: int) -> None:
     """``scripts/kafka-local.sh <action>`` for the broker on ``port``."""
     subprocess.run(["scripts/kafka-local.sh", action], cwd=ROOT, check=True, timeout=300,
                    env=dict(os.environ, KAFKA_PORT=str(port)), stdout=subprocess.DEVNULL)
-
-
-def steps_trained(run_dir: Path) -> int:
-    """Trainer steps logged so far (lines of ``trainer.actor/metrics.jsonl``)."""
-    path = run_dir / "trainer.actor" / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def live_components(run_dir: Path) -> dict[str, int]:
@@ -105,7 +99,7 @@ def main() -> int:
                 launcher.send_signal(signal.SIGINT)
                 launcher.wait(300)
                 break
-            done = steps_trained(run_dir)
+            done = steps_logged(run_dir, "actor")
             if not bounces and done >= steps // 2:
                 print(f"chaos: {time.monotonic() - t0:.0f} s, step {done}: broker down for {outage_s:.0f} s",
                       flush=True)

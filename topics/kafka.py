@@ -286,8 +286,10 @@ class KafkaConsumer(Consumer):
             for m in msgs:
                 err = m.error()
                 if err is not None:
-                    if err.fatal() or err.code() not in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART,
-                                                          KafkaError._TRANSPORT):
+                    if err.fatal() or err.code() == KafkaError._FATAL:
+                        raise FatalBusError(f"consume failed: {err}")
+                    if err.code() not in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART,
+                                          KafkaError._TRANSPORT):
                         raise BusError(f"consume failed: {err}")
                     continue
                 if (m.topic(), m.partition()) in self._pending:
@@ -317,7 +319,11 @@ class KafkaConsumer(Consumer):
         try:
             result = self._c.commit(offsets=[_tp(tp, off) for tp, off in offsets.items()], asynchronous=False)
         except KafkaException as e:
-            raise BusError(f"commit refused for group {self.group}: {e}") from None
+            err = e.args[0]
+            # _FATAL: the consumer is unusable, e.g. a static member fenced by its own rejoin after a
+            # coordinator failover (FENCED_INSTANCE_ID); only a new consumer (a restart) helps.
+            kind = FatalBusError if err.fatal() or err.code() == KafkaError._FATAL else BusError
+            raise kind(f"commit refused for group {self.group}: {e}") from None
         _check_result("commit", result or [])
 
     def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:

@@ -1,15 +1,25 @@
 """Checks on an ``astraflow run`` directory shared by the fault tests."""
+import subprocess
+import time
 from pathlib import Path
 
-from astraflow.audit import audit_run
+from astraflow.audit import audit_run, steps_logged
 from topics.bus import connect
 from topics.names import TopicNames
 
 
 def steps_trained(run_dir: Path) -> int:
-    """Trainer steps of policy ``actor`` logged so far (lines of its ``metrics.jsonl``)."""
-    path = run_dir / "trainer.actor" / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    """Trainer steps of policy ``actor`` logged so far."""
+    return steps_logged(run_dir, "actor")
+
+
+def wait_for_steps(launcher: subprocess.Popen, run_dir: Path, steps: int, deadline: float) -> None:
+    """Wait until policy ``actor`` logged ``steps`` steps; fails (with the launcher's stderr tail) if the
+    launcher exits first, or at ``deadline`` (``time.monotonic()``)."""
+    while steps_trained(run_dir) < steps:
+        assert launcher.poll() is None, launcher.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, "no training progress"
+        time.sleep(0.2)
 
 
 def assert_exactly_once(run: str, run_dir: Path, steps: int, bus_url: str | None = None) -> None:

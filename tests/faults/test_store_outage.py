@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from run_checks import assert_exactly_once, steps_trained
+from run_checks import assert_exactly_once, steps_trained, wait_for_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
@@ -55,11 +55,7 @@ def test_a_store_outage_is_ridden_out(tmp_path, s3_endpoint):
          "policies.actor.checkpoint_every=5"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while steps_trained(run_dir) < 8:
-            assert launcher.poll() is None, launcher.communicate()[1][-4000:]
-            assert time.monotonic() < deadline, "no training progress"
-            time.sleep(0.2)
+        wait_for_steps(launcher, run_dir, 8, time.monotonic() + 240)
         path.cut()
         time.sleep(60)
         assert launcher.poll() is None, "the launcher gave up during the store outage"

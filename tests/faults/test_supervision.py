@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from run_checks import assert_exactly_once, steps_trained
+from run_checks import assert_exactly_once, wait_for_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
@@ -36,10 +36,7 @@ def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url
     try:
         deadline = time.monotonic() + 400
         for i, name in enumerate(components):
-            while steps_trained(run_dir) < 8 * (i + 1):
-                assert launcher.poll() is None, launcher.communicate()[1][-4000:]
-                assert time.monotonic() < deadline, "no training progress"
-                time.sleep(0.2)
+            wait_for_steps(launcher, run_dir, 8 * (i + 1), deadline)
             pid = component_pid(run_dir, name)
             assert pid is not None, name
             os.kill(pid, signal.SIGKILL)
