@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from astraflow.audit import audit_run
 from producers.engines import HFEngine, SamplingParams
 from producers.rewards import score_many
 from producers.workflows import WORKFLOWS, accepts, get_workflow, prompt_ids
@@ -227,18 +228,29 @@ def test_plan_execute_critique_run_completes(tmp_path):
         assert groups and all(g.policy == policy for g in groups)
 
 
+def assert_exactly_once(tmp_path: Path, summary: dict, bus_url: str, workflow: str = "solve_verify_retry") -> None:
+    """Per policy: each version trained once, no group trained twice, no committed prompt without its group."""
+    for policy, steps in summary["versions"].items():
+        audit = audit_run(connect(bus_url), TopicNames(summary["run"]), tmp_path / summary["run"], policy, workflow)
+        assert audit.versions == list(range(1, steps + 1)), (policy, audit.versions)
+        assert not audit.trained_twice and not audit.lost, (policy, audit.trained_twice[:3], audit.lost[:3])
+        assert audit.committed_prompts > 0, policy
+
+
 @pytest.mark.slow
 def test_a_finished_policy_holds_no_other_back(tmp_path):
     # The solver's trainer stops at 5; its backlog must not pause rollouts the verifier still needs.
-    summary, _ = run_example(tmp_path, "solver-verifier-tiny.yaml", "policies.solver.steps=5",
-                             "policies.verifier.steps=15")
+    summary, bus_url = run_example(tmp_path, "solver-verifier-tiny.yaml", "policies.solver.steps=5",
+                                   "policies.verifier.steps=15")
     assert summary["complete"] and summary["versions"] == {"solver": 5, "verifier": 15}, summary
+    assert_exactly_once(tmp_path, summary, bus_url)
 
 
 @pytest.mark.slow
 def test_a_trainer_at_the_barrier_holds_no_rollout_back(tmp_path):
     # Near-greedy sampling: most verifier groups have equal rewards and filter_zero_adv drops them, so
     # the solver waits at the barrier while its backlog grows; rollouts must go on for the verifier.
-    summary, _ = run_example(tmp_path, "solver-verifier-tiny.yaml", "coupling=barrier",
-                             "policies.verifier.filters=[{name: filter_zero_adv}]", "sampling.temperature=0.02")
+    summary, bus_url = run_example(tmp_path, "solver-verifier-tiny.yaml", "coupling=barrier",
+                                   "policies.verifier.filters=[{name: filter_zero_adv}]", "sampling.temperature=0.02")
     assert summary["complete"] and summary["versions"] == {"solver": 5, "verifier": 5}, summary
+    assert_exactly_once(tmp_path, summary, bus_url)
