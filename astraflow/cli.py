@@ -136,7 +136,7 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     SIGTERM checkpoints and stops. With `coupling: barrier` it starts step v+1 only once every
     other policy of the config has announced version v."""
     from astraflow.models import resolve_model
-    from policies.registry import build_policy
+    from policies.registry import build_serving
     from topics.bus import connect
     from topics.names import TopicNames
     from trainer.service import ServiceConfig, TrainerService
@@ -149,7 +149,11 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         raise typer.Exit(2)
     pc = cfg.policies[policy]
     stop = _component_setup(f"trainer.{policy}", cfg)
-    replays = [build_policy(spec) for spec in pc.serving if spec.get("name") == "replay"]
+    try:
+        replay = build_serving(pc.serving)
+    except ValueError as e:
+        typer.echo(f"invalid policies.{policy}.serving: {e}", err=True)
+        raise typer.Exit(2)
     service_cfg = ServiceConfig(bus=cfg.bus, run=cfg.run, model_dir=resolve_model(pc.model),
                                 run_dir=cfg.run_dir / f"trainer.{policy}", trainer=pc.trainer, steps=pc.steps,
                                 batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
@@ -158,7 +162,7 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
                                 if cfg.coupling == "barrier" and len(cfg.policies) > 1 else None)
     publisher = Publisher(WeightStore(cfg.store, cfg.run), connect(cfg.bus), TopicNames(cfg.run), policy,
                           keep_versions=pc.keep_versions, producer_id=f"trainer.{policy}")
-    service = TrainerService(service_cfg, publisher=publisher, replay=replays[0] if replays else None)
+    service = TrainerService(service_cfg, publisher=publisher, replay=replay)
     try:
         summary = service.run(stop)
     finally:

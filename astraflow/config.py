@@ -66,7 +66,8 @@ class PolicyConfig(_Strict):
     keep_versions: int | None = Field(default=None, ge=1, description="weight versions kept in the store: after each "
                                       "publish, objects no chain to the newest N needs are deleted; None keeps all")
     filters: list[dict[str, Any]] = Field(default_factory=lambda: [{"name": "accept_all"}])
-    serving: list[dict[str, Any]] = Field(default_factory=list, description="replay / mix / staleness policies")
+    serving: list[dict[str, Any]] = Field(default_factory=list, description="at most one replay policy, e.g. "
+                                          "[{name: replay, ratio: 0.5}] (policies/registry.py: build_serving)")
 
 
 class WorkflowConfig(_Strict):

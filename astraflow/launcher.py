@@ -135,7 +135,8 @@ def plot_rewards(views: dict, path: Path) -> None:
 
 def preflight(cfg: RunConfig) -> None:
     """Check what the config names before any process starts: the workflow and its options, the data
-    sources, and each policy's filter chain and model directory (the bus is checked by the caller).
+    sources, and each policy's filter chain, serving policies and model directory (the bus is checked by
+    the caller).
 
     Raises:
         KeyError, ValueError, TypeError: an unknown workflow, role, option or filter (the message lists the known ones).
@@ -143,16 +144,21 @@ def preflight(cfg: RunConfig) -> None:
         FileNotFoundError: a model directory that does not exist.
     """
     from astraflow.models import resolve_model
-    from policies.base import Filter
-    from policies.registry import build_chain
+    from policies.base import Filter, PolicyConfigError
+    from policies.registry import build_chain, build_serving
     from producers.sources import load_source
     from producers.workflows import get_workflow
 
     get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None, **cfg.workflow.options)
     for src in cfg.data.sources:
         load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed)
-    for pc in cfg.policies.values():
-        build_chain(pc.filters, Filter)
+    for name, pc in cfg.policies.items():
+        for field, build in (("filters", lambda: build_chain(pc.filters, Filter)),
+                             ("serving", lambda: build_serving(pc.serving))):
+            try:
+                build()
+            except PolicyConfigError as e:
+                raise PolicyConfigError(e.policy, f"{e.reason} (policies.{name}.{field})", e.param) from None
         if pc.model != "tiny":
             resolve_model(pc.model)
 

@@ -130,3 +130,26 @@ def build_chain(specs: Iterable[Mapping[str, Any]], kind: type[Policy] = Policy)
             raise PolicyConfigError(spec["name"], f"is a {policy.kind} policy, where a {kind.kind} was expected")
         out.append(policy)
     return out
+
+
+def build_serving(specs: Iterable[Mapping[str, Any]]) -> Policy | None:
+    """The trainer's serving policies, as its serving stage takes them: at most one ``replay`` (or None).
+
+    The other registered serving policies (``mix``, ``staleness``) are not wired to the trainer's serving
+    stage (it applies ``max_staleness`` itself), so naming one is refused rather than ignored.
+
+    Raises:
+        PolicyConfigError: as :func:`build_chain` with :class:`ServingPolicy`; a serving policy other than
+            ``replay``; more than one ``replay``.
+    """
+    from policies.base import ServingPolicy
+    from policies.replay import Replay
+
+    policies = build_chain(specs, ServingPolicy)
+    for p in policies:
+        if not isinstance(p, Replay):
+            raise PolicyConfigError(p.name, "is not applied by the trainer's serving stage, which takes one "
+                                            "'replay' policy (max_staleness is its staleness bound)")
+    if len(policies) > 1:
+        raise PolicyConfigError("replay", f"given {len(policies)} times; the serving stage takes one")
+    return policies[0] if policies else None

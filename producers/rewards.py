@@ -208,6 +208,13 @@ def pool_workers() -> int:
     return int(os.environ.get("ASTRAFLOW_REWARD_WORKERS", min(8, os.cpu_count() or 1)))
 
 
+def _warm_worker() -> None:
+    """Each process-pool worker's start: import math-verify (sympy, the LaTeX grammar) and verify one
+    answer, so that a cold worker's seconds of imports do not count against its first item's timeout (a
+    loaded machine scored a correct first answer 0.0 that way)."""
+    math_verify_score("1", "\\boxed{1}", timeout_s=60)
+
+
 def _pools():
     """The shared process pool (pebble, spawned workers) and thread pool, created on first use."""
     global _process_pool, _thread_pool
@@ -217,7 +224,8 @@ def _pools():
 
             from pebble import ProcessPool
 
-            _process_pool = ProcessPool(max_workers=pool_workers(), context=multiprocessing.get_context("spawn"))
+            _process_pool = ProcessPool(max_workers=pool_workers(), context=multiprocessing.get_context("spawn"),
+                                        initializer=_warm_worker)
             _thread_pool = ThreadPoolExecutor(max_workers=pool_workers(), thread_name_prefix="reward")
         return _process_pool, _thread_pool
 

@@ -102,7 +102,7 @@ class TrainerService:
         self.serving = ServingStage(
             self.consumer, self.producer, self.names.samples(policy), self.names.deadletter,
             max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups, batch_samples=cfg.batch_samples,
-            replay=replay, replay_fraction=float(getattr(replay, "ratio", 0.0)) if replay else 0.0)
+            replay=replay, replay_fraction=float(getattr(replay, "ratio", 0.0)) if replay is not None else 0.0)
         self.trainer = Trainer(cfg.trainer, cfg.model_dir, publisher=publisher)
         self.metrics = MetricsSink(f"trainer.{policy}", policy, producer=self.producer, topic=self.names.metrics,
                                    console=cfg.console, jsonl_path=self.run_dir / "metrics.jsonl",

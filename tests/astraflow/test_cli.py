@@ -14,6 +14,12 @@ from astraflow.cli import app
 @pytest.mark.parametrize("override, message", [
     ("workflow.name=nope", "invalid run config examples/arith-tiny.yaml: unknown workflow 'nope'; registered: ["),
     ("policies.actor.filters=[{name: nope}]", "policy 'nope': unknown policy; known: accept_all"),
+    ("policies.actor.serving=[{name: nope}]", "policy 'nope': unknown policy; known: accept_all"),
+    ("policies.actor.serving=[{name: mix, weights: {arith: 1}}]",
+     "policy 'mix': is not applied by the trainer's serving stage, which takes one 'replay' policy "
+     "(max_staleness is its staleness bound) (policies.actor.serving)"),
+    ("policies.actor.serving=[{name: replay, ratio: 1.5}]",
+     "policy 'replay', parameter 'ratio': must be in [0, 1), got 1.5 (policies.actor.serving)"),
     ("policies.actor.model=/nonexistent", "/nonexistent is not an HF model directory"),
     ("data.sources=[{name: nosuchdataset}]", "unknown prompt source 'nosuchdataset': neither a built-in"),
     ("bus=kafka://127.0.0.1:1", "cannot use bus kafka://127.0.0.1:1: cannot reach Kafka at 127.0.0.1:1"),

@@ -48,6 +48,24 @@ def test_arith_tiny_learns_within_ten_minutes(tmp_path, bus_url):
 
 
 @pytest.mark.slow
+def test_replay_serves_its_ratio_of_each_batch_within_its_bound(tmp_path):
+    # ratio 0.5 of 16 groups: 8 fresh and up to 8 replayed per step (none at the first step: the pool is
+    # empty; fewer when the pool's servable groups run short). Fresh groups are at most 2 versions old
+    # (max_staleness 2) and the pool evicts groups more than 4 versions old, so no trained group is staler
+    # than 4; without the bound, step 20 could replay step 1's groups.
+    proc = astraflow("run", "examples/arith-tiny.yaml", f"run=replay{uuid.uuid4().hex[:8]}", f"run_dir={tmp_path}",
+                     "policies.actor.steps=20", "policies.actor.max_staleness=2",
+                     "policies.actor.serving=[{name: replay, ratio: 0.5, max_staleness: 4}]")
+    summary_of(proc)
+    steps = [json.loads(line) for line in (tmp_path / "trainer.actor" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 20
+    replayed, groups = [s["replayed"] for s in steps], [s["groups"] for s in steps]
+    assert replayed[0] == 0 and all(0 <= r <= 8 for r in replayed) and all(g - r == 8 for g, r in zip(groups, replayed))
+    assert 0.3 <= sum(replayed) / sum(groups) <= 0.5, replayed  # about half of what was trained was replayed
+    assert max(s["staleness_max"] for s in steps) <= 4  # measured: 8 replayed from step 2 on, staleness up to 4
+
+
+@pytest.mark.slow
 def test_status_shows_throughput_and_true_lag_during_a_run(tmp_path):
     run = f"status{uuid.uuid4().hex[:8]}"
     args = ["examples/arith-tiny.yaml", f"run={run}", f"run_dir={tmp_path}", "policies.actor.steps=40"]
