@@ -1,4 +1,5 @@
 """Checks on an ``astraflow run`` directory shared by the fault tests."""
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -31,3 +32,28 @@ def assert_exactly_once(run: str, run_dir: Path, steps: int, bus_url: str | None
     assert audit.versions == list(range(1, steps + 1)), audit.versions
     assert not audit.trained_twice, f"groups trained twice: {audit.trained_twice[:5]}"
     assert audit.committed_prompts > 0 and not audit.lost, f"committed prompts without a group: {audit.lost[:5]}"
+
+
+def log_tails(run_dir: Path, chars: int = 1500) -> str:
+    """The last ``chars`` characters of each component log under ``run_dir/logs``, one block per log."""
+    logs = sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []
+    return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-chars:]}" for log in logs)
+
+
+def finish(launcher: subprocess.Popen, run_dir: Path, steps: int, timeout_s: float) -> tuple[dict, str]:
+    """Wait up to ``timeout_s`` for the launcher to exit and check that it completed policy ``actor``'s
+    ``steps`` versions. Returns (the run summary, the launcher's stderr). On a timeout or a failed run the
+    assertion carries the launcher's stderr tail and every component log's tail (what was blocked)."""
+    try:
+        out, err = launcher.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        out, err = launcher.communicate()
+        raise AssertionError(f"the run did not finish in {timeout_s} s\n{err[-3000:]}\n{log_tails(run_dir)}")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, f"{err[-3000:]}\n{log_tails(run_dir)}"
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["complete"] is True and summary["versions"] == {"actor": steps}, summary
+    return summary, err

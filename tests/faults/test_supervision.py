@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from run_checks import assert_exactly_once, wait_for_steps
+from run_checks import assert_exactly_once, finish, wait_for_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
@@ -40,13 +40,10 @@ def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url
             pid = component_pid(run_dir, name)
             assert pid is not None, name
             os.kill(pid, signal.SIGKILL)
-        out, err = launcher.communicate(timeout=400)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode == 0, err[-3000:]
-    summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["complete"] is True and summary["versions"] == {"actor": STEPS}, summary
+    except BaseException:
+        launcher.kill()
+        raise
+    summary, err = finish(launcher, run_dir, STEPS, 400)
     assert summary["restarts"] == 4 and all(f"restarted {c}" in err for c in components), summary
     # no group trained twice, no committed prompt without its group, across the restarts
     assert_exactly_once(run, run_dir, STEPS, bus_url)
