@@ -111,9 +111,14 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 
 @app.command()
 def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
-           policy: str = typer.Option(..., "--policy", help="the trained policy whose filter chain to run")) -> None:
+           policy: str = typer.Option(..., "--policy", help="the trained policy whose filter chain to run"),
+           instance: int = typer.Option(0, "--instance", min=0,
+                                        help="this processor's number, below policies.<policy>.filter_processor"
+                                             ".instances")) -> None:
     """Run a policy's filter chain as a stream processor: `trajectories.<policy>` -> `samples.<policy>`
-    (exactly-once on Kafka, at-least-once on the embedded bus)."""
+    (exactly-once on Kafka, at-least-once on the embedded bus). Start instances 0..N-1 to scale out:
+    they share the partitions of consumer group `filter.<policy>`; SIGTERM stops one after its batch."""
+    from astraflow.launcher import policy_component
     from policies.base import Filter
     from policies.processor import FilterProcessor
     from policies.registry import build_chain
@@ -123,9 +128,16 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     if policy not in cfg.policies:
         typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
         raise typer.Exit(2)
-    stop = _component_setup(f"policy.{policy}", cfg)
+    fp = cfg.policies[policy].filter_processor
+    if instance >= fp.instances:
+        typer.echo(f"--instance {instance} is not below policies.{policy}.filter_processor.instances "
+                   f"({fp.instances})", err=True)
+        raise typer.Exit(2)
+    stop = _component_setup(policy_component(policy, instance), cfg)
     filters = build_chain(cfg.policies[policy].filters, Filter)
-    FilterProcessor(connect(cfg.bus), cfg.run, policy, filters).run(stop)
+    FilterProcessor(connect(cfg.bus), cfg.run, policy, filters, instance=str(instance), max_records=fp.max_records,
+                    linger_s=fp.linger_s, metrics_interval_s=fp.metrics_interval_s,
+                    session_timeout_s=fp.session_timeout_s).run(stop)
 
 
 @app.command()
@@ -155,7 +167,7 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         typer.echo(f"invalid policies.{policy}.serving: {e}", err=True)
         raise typer.Exit(2)
     service_cfg = ServiceConfig(bus=cfg.bus, run=cfg.run, model_dir=resolve_model(pc.model),
-                                run_dir=cfg.run_dir / f"trainer.{policy}", trainer=pc.trainer, steps=pc.steps,
+                                run_dir=cfg.run_dir / f"trainer.{policy}", trainer=cfg.trainer_config(policy), steps=pc.steps,
                                 batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
                                 checkpoint_every=pc.checkpoint_every, console=False,
                                 barrier_peers={q: c.steps for q, c in cfg.policies.items() if q != policy}

@@ -52,6 +52,18 @@ class SamplingConfig(_Strict):
     top_p: float = Field(default=1.0, gt=0, le=1)
 
 
+class FilterProcessorConfig(_Strict):
+    """A policy's filter processors (``policies/processor.py``): how many, and their transaction shape."""
+
+    instances: int = Field(default=1, ge=1, description="processors in consumer group filter.<policy>; instance i "
+                           "has transactional.id <run>.filter.<policy>.<i> and they share trajectories' partitions")
+    max_records: int = Field(default=200, ge=1, description="records per poll batch (= per transaction)")
+    linger_s: float = Field(default=0.1, ge=0, description="seconds to keep collecting after the first record")
+    metrics_interval_s: float = Field(default=5.0, gt=0, description="seconds between metrics records")
+    session_timeout_s: float = Field(default=10.0, gt=0, description="seconds before a killed processor's "
+                                     "partitions move to the others")
+
+
 class PolicyConfig(_Strict):
     """One trained policy: its model, engine, trainer and data policies."""
 
@@ -66,6 +78,7 @@ class PolicyConfig(_Strict):
     keep_versions: int | None = Field(default=None, ge=1, description="weight versions kept in the store: after each "
                                       "publish, objects no chain to the newest N needs are deleted; None keeps all")
     filters: list[dict[str, Any]] = Field(default_factory=lambda: [{"name": "accept_all"}])
+    filter_processor: FilterProcessorConfig = Field(default_factory=FilterProcessorConfig)
     serving: list[dict[str, Any]] = Field(default_factory=list, description="at most one replay policy, e.g. "
                                           "[{name: replay, ratio: 0.5}] (policies/registry.py: build_serving)")
 
@@ -138,8 +151,26 @@ class RunConfig(_Strict):
             raise ValueError(f"raas.max_inflight_groups={self.raas.max_inflight_groups} is below a policy's "
                              f"batch_groups ({need}): paused workers would leave its trainer waiting")
         for name, p in self.policies.items():
-            p.trainer.policy = name
+            t = p.trainer
+            if "policy" in t.model_fields_set and t.policy != name:
+                raise ValueError(f"policies.{name}.trainer.policy={t.policy!r}: a policy's trainer is named after it "
+                                 f"({name!r}); leave it unset")
+            if "temperature" in t.model_fields_set and t.temperature != self.sampling.temperature:
+                raise ValueError(f"policies.{name}.trainer.temperature ({t.temperature}) differs from "
+                                 f"sampling.temperature ({self.sampling.temperature}): the trainer must divide logits "
+                                 "by the temperature the rollouts were sampled at, or the importance ratios are "
+                                 "biased; leave it unset to follow sampling.temperature")
         return self
+
+    def trainer_config(self, policy: str) -> TrainerConfig:
+        """Policy ``policy``'s trainer config as its trainer uses it: named ``policy``, dividing logits by
+        ``sampling.temperature``. The config itself is not changed.
+
+        Raises:
+            KeyError: ``policy`` is not in ``policies``.
+        """
+        return self.policies[policy].trainer.model_copy(update={"policy": policy,
+                                                                "temperature": self.sampling.temperature})
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

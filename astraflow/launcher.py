@@ -79,6 +79,12 @@ def component_argv(command: str, config_path: Path, overrides: list[str], *extra
     return [sys.executable, "-m", "astraflow", command, str(config_path), *overrides, *extra]
 
 
+def policy_component(policy: str, instance: int) -> str:
+    """The component name of filter processor ``instance`` of ``policy``: ``policy.<policy>`` for instance 0,
+    ``policy.<policy>.<instance>`` for the others."""
+    return f"policy.{policy}" + (f".{instance}" if instance else "")
+
+
 def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[Component]:
     """The processes of a run, in start order: trainers and filters first, then RaaS, then acquisition."""
     logs = cfg.run_dir / "logs"
@@ -86,8 +92,10 @@ def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> 
     for p in cfg.policies:
         comps.append(Component(f"trainer.{p}", component_argv("trainer", config_path, overrides, "--policy", p),
                                logs / f"trainer.{p}.log"))
-        comps.append(Component(f"policy.{p}", component_argv("policy", config_path, overrides, "--policy", p),
-                               logs / f"policy.{p}.log"))
+        for i in range(cfg.policies[p].filter_processor.instances):
+            name = policy_component(p, i)
+            comps.append(Component(name, component_argv("policy", config_path, overrides, "--policy", p,
+                                                         "--instance", str(i)), logs / f"{name}.log"))
     for i in range(cfg.raas.workers):
         comps.append(Component(f"raas-{i}", component_argv("raas", config_path, overrides, "--worker-id", str(i)),
                                logs / f"raas-{i}.log"))

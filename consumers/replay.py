@@ -367,13 +367,13 @@ def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None, tr
         if log_path.is_file():
             mode, steps = "exact", read_trained_log(log_path)
             groups = read_groups(bus, names.samples(policy), group, {i for s in steps for i in s.group_ids})
-            trained = replay_exact(pc.trainer, resolve_model(pc.model), steps, groups, publisher=publisher,
+            trained = replay_exact(cfg.trainer_config(policy), resolve_model(pc.model), steps, groups, publisher=publisher,
                                    on_version=on_version)
         else:
             log.warning("no trained-groups log at %s: re-serving %s through the serving stage (not bit-exact)",
                         log_path, names.samples(policy))
             mode = "reserve"
-            trained = replay_reserve(bus, names, pc.trainer, resolve_model(pc.model), group, steps=pc.steps,
+            trained = replay_reserve(bus, names, cfg.trainer_config(policy), resolve_model(pc.model), group, steps=pc.steps,
                                      batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
                                      publisher=publisher, on_version=on_version)
     finally:

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -159,11 +160,11 @@ class Greso(Curator):
     def state_dict(self) -> dict[str, Any]:
         return {"p_easy": self.p_easy, "p_hard": self.p_hard, "version": self.version,
                 "window": dict(self.window), "streaks": {k: [z, e] for k, (z, e) in self.streaks.items()},
-                "rng": self.rng.bit_generator.state}
+                "rng": json.dumps(self.rng.bit_generator.state)}  # JSON: PCG64's state is a 128-bit int
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.p_easy, self.p_hard = float(state["p_easy"]), float(state["p_hard"])
         self.version = int(state["version"])
         self.window = {k: int(v) for k, v in state["window"].items()}
         self.streaks = {k: (int(z), bool(e)) for k, (z, e) in state["streaks"].items()}
-        self.rng.bit_generator.state = state["rng"]
+        self.rng.bit_generator.state = json.loads(state["rng"])

@@ -18,31 +18,25 @@ to ``metrics`` in the same transaction, so on Kafka they are exactly-once too.
 learns from ``outcomes`` (``Curator.update``), and follows ``weights``
 (``Curator.on_version``).
 
-Command line (one filter processor; SIGTERM/SIGINT stop it after the current batch)::
-
-    python -m policies.processor --bus kafka://127.0.0.1:9092 --run RUN --policy solver \\
-        --filters '[{"name": "filter_zero_adv"}, {"name": "filter_length", "max_tokens": 4096}]'
+Command line: ``astraflow policy CONFIG --policy P --instance I`` runs filter processor ``I`` of policy
+``P`` (``policies.<P>.filters`` and ``policies.<P>.filter_processor`` in the run config); SIGTERM/SIGINT
+stop it after the current batch.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import signal
-import sys
 import threading
 import time
 from collections import Counter
 from typing import Iterable, Sequence
 
 from policies.base import KEEP, Curator, Decision, Filter
-from policies.registry import build_chain
-from topics.bus import Bus, BusError, TopicPartition, connect, offsets_after
-from topics.codec import encode, headers_for
+from topics.bus import Bus, BusError, TopicPartition, offsets_after, read_topic
+from topics.codec import MessageError, decode, encode, headers_for
 from topics.deadletter import ValidatingConsumer
 from topics.names import TopicNames
 from topics.patience import patiently
-from topics.schemas import Metric, Prompt, RolloutOutcome, TrajectoryGroup, WeightAnnouncement
+from topics.schemas import Metric, PolicyState, Prompt, RolloutOutcome, TrajectoryGroup, WeightAnnouncement
 
 log = logging.getLogger(__name__)
 
@@ -215,9 +209,15 @@ class CuratorGate:
     order; the first refusal is counted as ``skipped.<curator name>``).
     Before each decision the gate drains, without waiting, the ``outcomes``
     of ``policy`` (consumer group ``curator.<policy>``; each outcome goes to
-    every curator's ``update``, and the offsets are committed after) and the
-    ``weights`` announcements of ``policy`` (a newer version goes to every
-    curator's ``on_version``).
+    every curator's ``update``) and the ``weights`` announcements of ``policy``
+    (a newer version goes to every curator's ``on_version``).
+
+    The chain's state survives restarts the way a Kafka Streams state store does: at each
+    :meth:`flush` that follows applied outcomes, every curator's ``state_dict`` goes to the compacted
+    ``state`` topic as one :class:`~topics.schemas.PolicyState` (key ``curator.<policy>``) with the
+    ``outcomes`` offsets it reflects, and only once that record is acknowledged are the offsets
+    committed. A new gate loads the newest such record, and skips the outcomes below its offsets
+    (those applied and saved, whose commit a kill lost), so each outcome is applied once.
 
     Args:
         bus: the bus.
@@ -229,6 +229,9 @@ class CuratorGate:
     Attributes:
         version: the newest announced weight version of ``policy`` (-1 before any).
         totals: counts since start.
+
+    Raises:
+        BusError: the ``state`` topic could not be read for longer than the patience.
     """
 
     def __init__(self, bus: Bus, run: str, curators: Sequence[Curator], *, policy: str,
@@ -250,6 +253,35 @@ class CuratorGate:
         self.pending: Counter = Counter()
         self.totals: Counter = Counter()
         self._last_metrics = time.monotonic()
+        self._saved: dict[int, int] = {}  # outcomes partition -> next offset in the saved state
+        self._unsaved: dict[TopicPartition, int] = {}  # applied since the last saved state: next offsets
+        self._restore(bus)
+
+    def _restore(self, bus: Bus) -> None:
+        """Load the newest saved state of this gate's chain from ``state`` (nothing when there is none).
+        A curator whose name differs from the saved chain's at its place starts fresh (logged)."""
+        records = patiently(f"{self.component}: read {self.names.state}",
+                            lambda: read_topic(bus, self.names.state), log=log)
+        saved = None
+        for r in records:
+            if r.key == self.component.encode():
+                try:
+                    saved = decode(r.value, PolicyState)
+                except MessageError as e:
+                    log.error("%s: state record at %s[%d]@%d is unusable and skipped: %s", self.component,
+                              r.topic, r.partition, r.offset, e)
+        if saved is None:
+            return
+        for i, c in enumerate(self.curators):
+            name = c.name or type(c).__name__
+            if i < len(saved.policies) and saved.policies[i] == name:
+                c.load_state_dict(saved.states[i])
+            else:
+                log.warning("%s: curator %d (%s) is not in the saved chain %s there: it starts fresh",
+                            self.component, i, name, saved.policies)
+        self._saved = {int(p): o for p, o in saved.offsets.items()}
+        log.info("%s: restored the state of %s, built from %s up to offsets %s", self.component, saved.policies,
+                 saved.source, self._saved)
 
     def pump(self, timeout_s: float = 0.0) -> int:
         """Apply pending ``weights`` and ``outcomes`` to the curators, waiting up to ``timeout_s`` seconds
@@ -260,14 +292,13 @@ class CuratorGate:
                 for c in self.curators:
                     c.on_version(ann.version)
         applied = 0
-        for _, outcome in self._outcomes.poll(500, timeout_s):
-            if outcome.policy == self.policy:
+        for rec, outcome in self._outcomes.poll(500, timeout_s):
+            if outcome.policy == self.policy and rec.offset >= self._saved.get(rec.partition, 0):
                 for c in self.curators:
                     c.update(outcome)
                 applied += 1
-        if self._outcomes.last_offsets:
-            self.outcomes.commit(self._outcomes.last_offsets)
-            self._outcomes.last_offsets = {}
+        self._unsaved.update(self._outcomes.last_offsets)
+        self._outcomes.last_offsets = {}
         return applied
 
     def submit(self, prompt: Prompt) -> bool:
@@ -296,18 +327,30 @@ class CuratorGate:
         return self.totals
 
     def flush(self) -> None:
-        """Write the pending counts to ``metrics`` and wait until everything sent is acknowledged.
+        """Write the pending counts to ``metrics`` and, when outcomes were applied since the last save, the
+        chain's state to ``state``; wait until everything sent is acknowledged, then commit the applied
+        ``outcomes`` offsets.
 
         Raises:
-            DeliveryError: some records were not acknowledged.
+            DeliveryError: some records were not acknowledged (nothing is committed).
         """
         if self.pending:
             m = _metric(self.component, self.policy, self.pending)
             self.producer.send(self.names.metrics, encode(m), key=self.component, headers=headers_for(m))
             self.totals += self.pending
             self.pending = Counter()
+        unsaved = self._unsaved
+        if unsaved:
+            saved = {**self._saved, **{tp.partition: o for tp, o in unsaved.items()}}
+            state = PolicyState(component=self.component, policies=[c.name or type(c).__name__ for c in self.curators],
+                                states=[c.state_dict() for c in self.curators], source=self.names.outcomes,
+                                offsets={str(p): o for p, o in saved.items()})
+            self.producer.send(self.names.state, encode(state), key=self.component, headers=headers_for(state))
         self._last_metrics = time.monotonic()
         self.producer.flush()
+        if unsaved:
+            self._saved, self._unsaved = saved, {}
+            self.outcomes.commit(unsaved)
 
     def close(self) -> None:
         """Flush, then release the producer and both consumers."""
@@ -317,44 +360,3 @@ class CuratorGate:
             self.outcomes.close()
             self.weights.close()
             self.producer.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m policies.processor``: run one filter processor until SIGTERM/SIGINT.
-
-    Exit status: 0 after a clean stop, 2 for a bad config (the message names the policy and parameter).
-    """
-    ap = argparse.ArgumentParser(prog="python -m policies.processor", description=__doc__.split("\n")[0])
-    ap.add_argument("--bus", required=True, help="kafka://host:port or local://PATH")
-    ap.add_argument("--run", required=True, help="run prefix of the topic names")
-    ap.add_argument("--policy", required=True, help="the trained policy (topics trajectories.<policy> -> samples.<policy>)")
-    ap.add_argument("--filters", default='[{"name": "accept_all"}]',
-                    help='JSON list of {"name": ..., **params}; a user class is "module:Class"')
-    ap.add_argument("--instance", default="0", help="replica id (part of the transactional.id)")
-    ap.add_argument("--max-records", type=int, default=200, help="records per transaction")
-    ap.add_argument("--metrics-interval-s", type=float, default=5.0)
-    ap.add_argument("--session-timeout-s", type=float, default=10.0,
-                    help="seconds before a killed member's partitions are reassigned")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        specs = json.loads(args.filters)
-        filters = build_chain(specs, Filter)
-    except (ValueError, TypeError) as e:  # PolicyConfigError and JSONDecodeError are ValueErrors
-        print(f"bad --filters: {e}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    proc = FilterProcessor(connect(args.bus), args.run, args.policy, filters, instance=args.instance,
-                           max_records=args.max_records, metrics_interval_s=args.metrics_interval_s,
-                           session_timeout_s=args.session_timeout_s)
-    log.info("filter processor %s: %s -> %s with %s", proc.component, proc.source, proc.sink,
-             [f.name or type(f).__name__ for f in filters])
-    proc.run(stop)
-    log.info("stopped: %s", dict(proc.totals))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -116,7 +116,7 @@ def sync_child(args: argparse.Namespace, threads: int) -> None:
     pc = cfg.policies["actor"]
     model_dir = resolve_model(pc.model)
     engine = HFEngine(model_dir)
-    trainer = Trainer(pc.trainer, model_dir)
+    trainer = Trainer(cfg.trainer_config("actor"), model_dir)
     workflow = get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None)
     source = load_source("arith", seed=cfg.seed)
     sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,

@@ -72,7 +72,7 @@ def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: in
     cfg = load_config(CONFIG)
     policies = ("solver", "verifier")
     engines = {p: HFEngine(resolve_model(cfg.policies[p].model)) for p in policies}
-    trainers = {p: Trainer(cfg.policies[p].trainer, resolve_model(cfg.policies[p].model)) for p in policies}
+    trainers = {p: Trainer(cfg.trainer_config(p), resolve_model(cfg.policies[p].model)) for p in policies}
     workflow = get_workflow(cfg.workflow.name, policies=cfg.workflow.roles, **cfg.workflow.options)
     sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
                               top_p=cfg.sampling.top_p, seed=None)

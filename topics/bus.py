@@ -257,7 +257,7 @@ class Admin(abc.ABC):
         """Per partition, the earliest retained offset."""
 
     def ensure_run_topics(self, names: "TopicNames", policies: Iterable[str], partitions: int = 4) -> None:
-        """Create every topic of a run: compacted ``weights`` and ``control``, the rest plain."""
+        """Create every topic of a run: compacted ``weights``, ``control`` and ``state``, the rest plain."""
         for topic in (names.prompts, names.outcomes, names.metrics, names.deadletter):
             self.create_topic(topic, partitions=partitions)
         for policy in policies:
@@ -265,6 +265,7 @@ class Admin(abc.ABC):
             self.create_topic(names.samples(policy), partitions=partitions)
         self.create_topic(names.weights, partitions=1, compacted=True)
         self.create_topic(names.control, partitions=1, compacted=True)
+        self.create_topic(names.state, partitions=1, compacted=True)
 
 
 class Bus(abc.ABC):

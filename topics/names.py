@@ -6,9 +6,6 @@ from dataclasses import dataclass
 
 _VALID = re.compile(r"^[A-Za-z0-9._-]+$")
 
-#: Topics that keep only the latest value per key.
-COMPACTED = ("weights", "control")
-
 
 @dataclass(frozen=True)
 class TopicNames:
@@ -47,6 +44,11 @@ class TopicNames:
         return self._name("control")
 
     @property
+    def state(self) -> str:
+        """Compacted changelog of stateful data policies (:class:`topics.schemas.PolicyState`), keyed by component."""
+        return self._name("state")
+
+    @property
     def metrics(self) -> str:
         return self._name("metrics")
 
@@ -77,7 +79,3 @@ class TopicNames:
     def curator_group(self, policy: str) -> str:
         """Consumer group of ``policy``'s curator gate on ``outcomes``."""
         return self._name("curator", policy)
-
-    def is_compacted(self, topic: str) -> bool:
-        """Whether ``topic`` (a full name of this run) is one of the compacted topics."""
-        return topic in (self.weights, self.control)

@@ -266,6 +266,30 @@ class TrainerProgress(Message):
                 "model_version_max": str(self.version)}
 
 
+class PolicyState(Message):
+    """A stateful data policy chain's checkpoint on ``state`` (compacted, keyed by ``component``).
+
+    ``states[i]`` is ``policies[i].state_dict()`` (plain msgpack-able data), taken after the chain applied
+    every record of ``source`` below ``offsets`` (partition -> next offset to apply), as
+    Kafka Streams' changelog topics do for a state store.
+    """
+
+    SCHEMA: ClassVar[str] = "PolicyState"
+    component: str = Field(min_length=1)
+    policies: list[str] = Field(description="the chain's policy names, in config order")
+    states: list[dict[str, Any]]
+    source: str = Field(min_length=1, description="the topic whose records built the state")
+    offsets: dict[str, int] = Field(default_factory=dict, description="partition number (a string: msgpack map keys) "
+                                    "-> next offset of source")
+    ts: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _one_state_per_policy(self) -> "PolicyState":
+        if len(self.states) != len(self.policies):
+            raise ValueError(f"{len(self.states)} states for {len(self.policies)} policies")
+        return self
+
+
 class Metric(Message):
     """A metrics record from one component: flat name -> number."""
 
@@ -298,6 +322,6 @@ class DeadLetter(Message):
 
 SCHEMAS: dict[str, type[Message]] = {
     cls.SCHEMA: cls
-    for cls in (Prompt, TrajectoryGroup, RolloutOutcome, WeightAnnouncement, Control, TrainerProgress, Metric,
-                DeadLetter)
+    for cls in (Prompt, TrajectoryGroup, RolloutOutcome, WeightAnnouncement, Control, TrainerProgress, PolicyState,
+                Metric, DeadLetter)
 }

@@ -5,7 +5,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainer.losses import AggMode, Correction
+#: How per-token losses are reduced to one number (see :func:`trainer.losses.aggregate`).
+AggMode = Literal["token-mean", "seq-mean", "seq-sum-norm"]
+#: The off-policy correction of the policy-gradient loss (see :func:`trainer.losses.policy_loss`).
+Correction = Literal["none", "tis", "m2po"]
 
 
 class TrainerConfig(BaseModel):

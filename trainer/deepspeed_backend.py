@@ -2,7 +2,7 @@
 
 :class:`DeepSpeedBackend` imports ``deepspeed`` (a GPU-only dependency, extra ``gpu``)
 when it is built; :func:`deepspeed_config` needs neither deepspeed nor a GPU. Start the trainer with the
-DeepSpeed launcher, e.g. ``deepspeed --num_gpus 8 -m trainer ...``.
+DeepSpeed launcher, e.g. ``deepspeed --num_gpus 8 -m astraflow trainer CONFIG --policy P``.
 
 Gradient accumulation is driven by the trainer: each micro-batch loss is
 already normalised for the mini-batch (:func:`trainer.losses.aggregate`), so it is

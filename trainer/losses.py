@@ -29,12 +29,10 @@ Off-policy correction (:func:`policy_loss`) is one of:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-AggMode = Literal["token-mean", "seq-mean", "seq-sum-norm"]
-Correction = Literal["none", "tis", "m2po"]
+from trainer.config import AggMode, Correction
 
 
 def _check_same_shape(**tensors: torch.Tensor) -> None:

@@ -1,7 +1,13 @@
 """Run config: YAML, overrides, defaults and field-naming errors."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from astraflow.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path, text):
@@ -14,9 +20,25 @@ def test_yaml_with_overrides_and_defaults(tmp_path):
     p = write(tmp_path, "run: t1\npolicies:\n  actor:\n    model: tiny\n    trainer: {lr: 1.0e-4}\n")
     cfg = load_config(p, ["policies.actor.steps=7", "sampling.temperature=0.5", f"run_dir={tmp_path}/r"])
     assert cfg.policies["actor"].steps == 7 and cfg.policies["actor"].trainer.lr == 1e-4
-    assert cfg.policies["actor"].trainer.policy == "actor"
-    assert cfg.sampling.temperature == 0.5
+    assert cfg.trainer_config("actor").policy == "actor" and cfg.policies["actor"].trainer.policy == "policy"
+    assert cfg.sampling.temperature == 0.5 and cfg.trainer_config("actor").temperature == 0.5
     assert cfg.bus == f"local://{tmp_path}/r/bus" and cfg.store == f"file://{tmp_path}/r/weights"
+
+
+def test_a_trainer_temperature_or_name_that_disagrees_is_refused(tmp_path):
+    p = write(tmp_path, "run: t1\npolicies:\n  actor:\n    model: tiny\n    trainer: {temperature: 1.8}\n")
+    assert load_config(p, ["sampling.temperature=1.8"]).trainer_config("actor").temperature == 1.8
+    with pytest.raises(ConfigError, match=r"policies.actor.trainer.temperature \(1.8\) differs from "
+                                          r"sampling.temperature \(1.0\)"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"policies.actor.trainer.policy='critic'"):
+        load_config(p, ["sampling.temperature=1.8", "policies.actor.trainer.policy=critic"])
+
+
+def test_loading_a_config_does_not_import_torch():
+    code = "import sys, astraflow.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"
 
 
 def test_errors_name_the_field_and_reason(tmp_path):

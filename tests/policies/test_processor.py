@@ -97,3 +97,60 @@ def test_curator_gate_learns_from_outcomes_and_versions(bus_url, run_id):
     assert sorted(prompts) == ["a", "b"]
     assert _sum_metrics(read_all(bus, names.metrics, 1), "curator.solver") == \
            {"submitted": 2.0, "skipped": 1.0, "skipped.filter_solved": 1.0}
+
+
+def _send_outcomes(bus, names, outcomes) -> None:
+    producer = bus.producer()
+    for o in outcomes:
+        producer.send(names.outcomes, encode(o), key=o.prompt_id, headers=headers_for(o))
+    producer.flush()
+    producer.close()
+
+
+def _pump_until(gate, n: int, timeout_s: float = 60.0) -> int:
+    applied, deadline = 0, time.monotonic() + timeout_s
+    while applied < n and time.monotonic() < deadline:
+        applied += gate.pump(timeout_s=0.5)
+    return applied
+
+
+def test_greso_state_survives_a_restart_of_the_gate(bus_url, run_id):
+    # A gate learns GRESO streaks from 40 outcomes and adapts p at a new version, saves its state at flush
+    # (the compacted state topic) and closes; a new gate with a fresh chain restores the same skip
+    # probabilities, p_easy/p_hard, EWMAs and random draws, and applies none of the 40 outcomes again.
+    bus = connect(bus_url)
+    names = TopicNames(run_id)
+    bus.admin().ensure_run_topics(names, ["solver"], partitions=2)
+    chain = [FilterSolved(threshold=0.9), Greso(step=0.1, seed=7)]
+    gate = CuratorGate(bus, run_id, chain, policy="solver", metrics_interval_s=60)
+    pids = [f"p{i}" for i in range(20)]
+    rewards = [[1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 0, 1]]
+    _send_outcomes(bus, names, [make_outcome(pid, rewards[(i + k) % 3]) for k in range(2) for i, pid in enumerate(pids)])
+    assert _pump_until(gate, 40) == 40
+    ann = WeightAnnouncement(policy="solver", version=1, kind="full", uri="file:///w/1", bytes=10,
+                             sha256="0" * 64, sparsity=0.0)
+    producer = bus.producer()
+    producer.send(names.weights, encode(ann), key="solver", headers=headers_for(ann))
+    producer.flush()
+    deadline = time.monotonic() + 60
+    while gate.version < 1 and time.monotonic() < deadline:
+        gate.pump(timeout_s=0.2)
+    for pid in pids[:5]:
+        gate.submit(make_prompt(pid))  # GRESO draws from its generator
+    gate.close()
+    greso = chain[1]
+    before = {pid: greso.submit_probability(pid) for pid in pids}
+    assert greso.version == 1 and (greso.p_easy, greso.p_hard) == (0.4, 0.4)  # over both targets: p - step
+    assert sorted(set(before.values())) == [0.4 ** 2, 0.4, 1.0], before  # streaks of 2, of 1, none
+
+    fresh = [FilterSolved(threshold=0.9), Greso(step=0.1, seed=7)]
+    restarted = CuratorGate(bus, run_id, fresh, policy="solver", metrics_interval_s=60)
+    try:
+        assert {pid: fresh[1].submit_probability(pid) for pid in pids} == before
+        assert (fresh[1].p_easy, fresh[1].p_hard, fresh[1].version) == (greso.p_easy, greso.p_hard, 1)
+        assert fresh[0].ewma == chain[0].ewma and len(fresh[0].ewma) == 20
+        assert fresh[1].rng.random() == greso.rng.random()
+        assert _pump_until(restarted, 1, timeout_s=5) == 0  # saved and committed: nothing is applied twice
+        assert {pid: fresh[1].submit_probability(pid) for pid in pids} == before
+    finally:
+        restarted.close()

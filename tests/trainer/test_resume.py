@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
+from astraflow.audit import steps_logged
 from topics.bus import connect
 from topics.codec import decode, encode, headers_for
 from topics.names import TopicNames
@@ -37,21 +39,19 @@ def _group(rng, gid):
     return TrajectoryGroup.build(samples=samples, prompt_id=gid, group_id=gid, policy="pol")
 
 
-TRAINER = {"policy": "pol", "param_dtype": "float32", "lr": 1e-4}
+TRAINER = {"param_dtype": "float32", "lr": 1e-4}
 
 
-def _trainer(bus_url, run, model, run_dir, *extra):
-    cmd = [sys.executable, "-m", "trainer", "--bus", bus_url, "--run", run, "--model", str(model),
-           "--run-dir", str(run_dir), "--steps", "10", "--batch-groups", "1", "--checkpoint-every", "3",
-           "--poll-timeout-s", "0.5", "--no-console", "--max-staleness", "100",
-           "--trainer-json", json.dumps(TRAINER), *extra]
+def _trainer(bus_url, run, model, run_dir):
+    """``astraflow trainer`` for policy ``pol`` of a run config (checkpoints in ``run_dir/trainer.pol``)."""
+    config = run_dir / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": run, "bus": bus_url, "run_dir": str(run_dir),
+        "policies": {"pol": {"model": str(model), "steps": 10, "batch_groups": 1, "checkpoint_every": 3,
+                             "max_staleness": 100, "trainer": TRAINER}}}))
+    cmd = [sys.executable, "-m", "astraflow", "trainer", str(config), "--policy", "pol"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _steps_logged(run_dir) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 @pytest.mark.slow
@@ -73,26 +73,28 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
         producer.flush()
 
     produce(produced[:6])
-    run_dir = tmp_path / "trainer"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
     proc = _trainer(bus_url, run, tiny_model_dir, run_dir)
     deadline = time.monotonic() + 120
-    while _steps_logged(run_dir) < 5:  # past the checkpoint at version 3, before the next at 6
+    while steps_logged(run_dir, "pol") < 5:  # past the checkpoint at version 3, before the next at 6
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "trainer made no progress"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    killed_at = _steps_logged(run_dir)
+    killed_at = steps_logged(run_dir, "pol")
     assert 5 <= killed_at < 10  # steps 4 and 5 were trained after the last checkpoint (3): redone below
 
     produce(produced[6:])
     produce(produced[:2])  # redelivered duplicates (e.g. a RaaS worker crashed before its commit)
     # No wait for the killed member's session: static membership hands its partitions back at once,
     # and a trainer waiting for partitions is not idle.
-    proc = _trainer(bus_url, run, tiny_model_dir, run_dir, "--idle-exit-s", "5")
+    proc = _trainer(bus_url, run, tiny_model_dir, run_dir)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
+    run_dir = run_dir / "trainer.pol"
     entries = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
     assert summary["version"] == 10, (summary, entries, killed_at, err[-2000:])
     assert [e["version"] for e in entries] == list(range(1, 11))
@@ -103,7 +105,7 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        reference = Trainer(TrainerConfig(**TRAINER), tiny_model_dir)
+        reference = Trainer(TrainerConfig(policy="pol", **TRAINER), tiny_model_dir)
         for e in entries:
             reference.train_step([first_copy[gid] for gid in e["group_ids"]])
     finally:
