@@ -7,7 +7,7 @@
   exceeds ``max_staleness`` is dropped and counted, whenever it is looked at (it can age in the buffer).
 - Groups are de-duplicated by ``group_id``: against the buffer, and against the
   persistent set of served ids, which is part of the checkpoint state.
-- A replay policy, when configured, supplies a fraction ``replay_fraction`` of
+- A serving policy (replay), when configured, supplies a fraction ``replay.ratio`` of
   each batch.
 - Offsets are committed only by :meth:`ServingStage.commit`, which the trainer calls
   after the trained step is checkpointed. The offset committed per partition is
@@ -18,20 +18,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from policies.base import group_staleness
+from policies.base import ServingPolicy, group_staleness
 from topics.bus import Consumer, Producer, TopicPartition
 from topics.deadletter import ValidatingConsumer
 from topics.schemas import TrajectoryGroup
-
-
-class ReplayPolicy(Protocol):
-    """A replay pool (``policies/replay``): remembers served groups and hands some back."""
-
-    def add(self, groups: list[TrajectoryGroup], version: int) -> None: ...
-
-    def sample(self, n: int, version: int) -> list[TrajectoryGroup]: ...
 
 
 @dataclass
@@ -77,26 +69,25 @@ class ServingStage:
         max_staleness: versions; a group with ``version - min_version > max_staleness`` is dropped.
         batch_groups: batch size in groups, or
         batch_samples: batch size in samples (whole groups, until at least this many).
-        replay: a :class:`ReplayPolicy`, or None.
-        replay_fraction: r in [0, 1): the share of each batch taken from ``replay``.
+        replay: a serving policy (:class:`policies.replay.Replay`) that supplies ``replay.ratio`` of each
+            batch and is offered every fresh group served, or None.
         max_buffer: groups buffered at most before a batch is cut (bounds memory).
 
     Raises:
-        ValueError: not exactly one of ``batch_groups``/``batch_samples``, a bad
-            ``replay_fraction``, or a fraction without a replay policy.
+        ValueError: not exactly one of ``batch_groups``/``batch_samples``, or a ``replay.ratio``
+            outside [0, 1).
     """
 
     def __init__(self, consumer: Consumer, producer: Producer, topic: str, deadletter_topic: str, *,
                  max_staleness: int = 8, batch_groups: int | None = None, batch_samples: int | None = None,
-                 replay: ReplayPolicy | None = None, replay_fraction: float = 0.0, max_buffer: int = 4096):
+                 replay: ServingPolicy | None = None, max_buffer: int = 4096):
         if (batch_groups is None) == (batch_samples is None):
             raise ValueError("give exactly one of batch_groups or batch_samples")
         if (batch_groups or batch_samples) < 1:
             raise ValueError(f"batch size must be >= 1, got {batch_groups or batch_samples}")
+        replay_fraction = replay.ratio if replay is not None else 0.0
         if not 0.0 <= replay_fraction < 1.0:
-            raise ValueError(f"replay_fraction must be in [0, 1), got {replay_fraction}")
-        if replay_fraction and replay is None:
-            raise ValueError("replay_fraction > 0 needs a replay policy")
+            raise ValueError(f"the serving policy's ratio must be in [0, 1), got {replay_fraction}")
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.consumer, self.topic = consumer, topic

@@ -8,7 +8,7 @@ Three kinds of policy, each a class named in the run's config:
 - :class:`Filter` decides after rollout whether a trajectory group reaches the
   trainer (``keep`` returns a :class:`Decision` with a reason).
 - :class:`ServingPolicy` holds groups for the serving stage (``add``) and hands
-  some back when a batch is assembled (``sample``): replay, mixing.
+  a fraction ``ratio`` of each batch back when it is assembled (``sample``): replay.
 
 Every policy can checkpoint itself with ``state_dict`` / ``load_state_dict``;
 the state is plain msgpack-able data (dicts, lists, numbers, strings, bytes).
@@ -101,9 +101,15 @@ class Filter(Policy):
 
 
 class ServingPolicy(Policy):
-    """A serving-stage policy: holds groups and serves them into batches (replay, mixing)."""
+    """A serving-stage policy: holds groups and serves a fraction of each batch from them (replay).
+
+    Attributes:
+        ratio: r in [0, 1), the fraction of each batch of ``n`` groups that :meth:`sample` supplies
+            (``round(r * n)`` groups; :class:`consumers.serving.ServingStage` takes the rest fresh).
+    """
 
     kind: ClassVar[str] = "serving"
+    ratio: float = 0.0
 
     def add(self, groups: Iterable[TrajectoryGroup], version: int) -> None:
         """Offer ``groups`` (already served to the trainer at weight ``version``) to the policy."""

@@ -21,8 +21,7 @@ from policies.base import Policy, PolicyConfigError
 P = TypeVar("P", bound=type)
 
 _REGISTRY: dict[str, type[Policy]] = {}
-_BUILTIN_MODULES = ("policies.curators", "policies.filters", "policies.replay", "policies.mix",
-                    "policies.staleness")
+_BUILTIN_MODULES = ("policies.curators", "policies.filters", "policies.replay")
 
 
 def register_policy(name: str) -> Callable[[P], P]:
@@ -133,23 +132,16 @@ def build_chain(specs: Iterable[Mapping[str, Any]], kind: type[Policy] = Policy)
 
 
 def build_serving(specs: Iterable[Mapping[str, Any]]) -> Policy | None:
-    """The trainer's serving policies, as its serving stage takes them: at most one ``replay`` (or None).
-
-    The other registered serving policies (``mix``, ``staleness``) are not wired to the trainer's serving
-    stage (it applies ``max_staleness`` itself), so naming one is refused rather than ignored.
+    """The trainer's serving policy, as its serving stage takes it: at most one (e.g. ``replay``), or None.
+    The serving stage applies the policy's ``max_staleness`` itself.
 
     Raises:
-        PolicyConfigError: as :func:`build_chain` with :class:`ServingPolicy`; a serving policy other than
-            ``replay``; more than one ``replay``.
+        PolicyConfigError: as :func:`build_chain` with :class:`ServingPolicy`; more than one entry.
     """
     from policies.base import ServingPolicy
-    from policies.replay import Replay
 
     policies = build_chain(specs, ServingPolicy)
-    for p in policies:
-        if not isinstance(p, Replay):
-            raise PolicyConfigError(p.name, "is not applied by the trainer's serving stage, which takes one "
-                                            "'replay' policy (max_staleness is its staleness bound)")
     if len(policies) > 1:
-        raise PolicyConfigError("replay", f"given {len(policies)} times; the serving stage takes one")
+        raise PolicyConfigError(policies[1].name, f"{len(policies)} serving policies given; the serving stage "
+                                                  "takes one")
     return policies[0] if policies else None

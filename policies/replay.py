@@ -1,10 +1,11 @@
 """``replay``: a bounded pool of served groups mixed back into batches (DESIGN.md, step 8).
 
-The serving stage assembles a batch of ``n`` groups at trainer version ``v``::
+The serving stage (:class:`consumers.serving.ServingStage`) assembles a batch of
+``n`` groups at trainer version ``v`` from ``n - round(ratio * n)`` fresh groups
+and the pool::
 
-    n_fresh, n_replay = replay.split(n, v)
-    batch = fresh_groups[:n_fresh] + replay.sample(n_replay, v)
-    replay.add(fresh_groups[:n_fresh], v)
+    batch = fresh_groups + replay.sample(round(ratio * n), v)
+    replay.add(fresh_groups, v)
 
 Unlike the original replay buffers, the pool enforces ``max_staleness``: a
 group whose staleness ``v - min_version`` exceeds it is evicted and never served.
@@ -63,15 +64,6 @@ class Replay(ServingPolicy):
                 self.pool.append(g)
         while len(self.pool) > self.capacity:
             self.pool.popleft()
-
-    def split(self, n: int, version: int) -> tuple[int, int]:
-        """``(n_fresh, n_replay)`` for a batch of ``n`` groups at ``version``.
-
-        ``n_replay = round(ratio * n)``, capped by the servable pool size; ``n_fresh = n - n_replay``.
-        """
-        self._evict_stale(version)
-        n_replay = min(int(round(self.ratio * n)), len(self.pool))
-        return n - n_replay, n_replay
 
     def sample(self, n: int, version: int) -> list[TrajectoryGroup]:
         """Up to ``n`` distinct pool groups, uniformly at random, none staler than ``max_staleness``."""

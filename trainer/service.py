@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from consumers.serving import ReplayPolicy, ServingStage
+from consumers.serving import ServingStage
+from policies.base import ServingPolicy
 from topics.bus import BusError, connect
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
@@ -79,12 +80,12 @@ class TrainerService:
         config: the :class:`ServiceConfig`.
         publisher: ``publish(state_dict, version)`` after every step (the Weight Manager's
             ``weights.publisher.Publisher``), or None.
-        replay: a replay policy (``add``/``sample``/``state_dict``/``load_state_dict``)
-            whose ``ratio`` is the fraction of each batch it supplies, or None.
+        replay: the serving policy (:func:`policies.registry.build_serving`) whose ``ratio`` is the
+            fraction of each batch it supplies, or None.
     """
 
     def __init__(self, config: ServiceConfig, *, publisher: WeightPublisher | None = None,
-                 replay: ReplayPolicy | None = None):
+                 replay: ServingPolicy | None = None):
         self.config = cfg = config
         policy = cfg.trainer.policy
         self.names = TopicNames(cfg.run)
@@ -102,7 +103,7 @@ class TrainerService:
         self.serving = ServingStage(
             self.consumer, self.producer, self.names.samples(policy), self.names.deadletter,
             max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups, batch_samples=cfg.batch_samples,
-            replay=replay, replay_fraction=float(getattr(replay, "ratio", 0.0)) if replay is not None else 0.0)
+            replay=replay)
         self.trainer = Trainer(cfg.trainer, cfg.model_dir, publisher=publisher)
         self.metrics = MetricsSink(f"trainer.{policy}", policy, producer=self.producer, topic=self.names.metrics,
                                    console=cfg.console, jsonl_path=self.run_dir / "metrics.jsonl",

@@ -15,9 +15,9 @@ from astraflow.cli import app
     ("workflow.name=nope", "invalid run config examples/arith-tiny.yaml: unknown workflow 'nope'; registered: ["),
     ("policies.actor.filters=[{name: nope}]", "policy 'nope': unknown policy; known: accept_all"),
     ("policies.actor.serving=[{name: nope}]", "policy 'nope': unknown policy; known: accept_all"),
-    ("policies.actor.serving=[{name: mix, weights: {arith: 1}}]",
-     "policy 'mix': is not applied by the trainer's serving stage, which takes one 'replay' policy "
-     "(max_staleness is its staleness bound) (policies.actor.serving)"),
+    ("policies.actor.serving=[{name: mix, weights: {arith: 1}}]", "policy 'mix': unknown policy; known: accept_all"),
+    ("policies.actor.serving=[{name: replay}, {name: replay}]",
+     "policy 'replay': 2 serving policies given; the serving stage takes one (policies.actor.serving)"),
     ("policies.actor.serving=[{name: replay, ratio: 1.5}]",
      "policy 'replay', parameter 'ratio': must be in [0, 1), got 1.5 (policies.actor.serving)"),
     ("policies.actor.model=/nonexistent", "/nonexistent is not an HF model directory"),

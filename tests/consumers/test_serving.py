@@ -105,7 +105,7 @@ def test_replay_fraction_and_sample_batches(setup):
     bus, names, produce, stage = setup
     produce([group(v, n=2) for v in range(6)])
     replay = Replay(ratio=0.5, max_staleness=8)
-    s = stage(batch_samples=4, replay=replay, replay_fraction=0.5)
+    s = stage(batch_samples=4, replay=replay)
     b1 = s.next_batch(version=5, timeout_s=20)
     assert b1.replayed == 0 and b1.samples == 2  # the pool was empty; 2 fresh samples = 1 group
     b2 = s.next_batch(version=5, timeout_s=20)

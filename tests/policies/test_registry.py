@@ -14,7 +14,7 @@ from policy_factories import make_group
 
 def test_builtins_are_registered():
     assert {"accept_all", "filter_solved", "greso", "filter_zero_adv", "filter_length", "filter_format",
-            "replay", "mix", "staleness"} <= set(known_policies())
+            "replay"} <= set(known_policies())
 
 
 def test_chain_in_order_with_params():
@@ -72,4 +72,4 @@ def test_custom_filter_from_user_module(tmp_path, monkeypatch):
 
 def test_kinds():
     assert isinstance(build_policy({"name": "greso"}), Curator)
-    assert isinstance(build_policy({"name": "mix", "weights": {"a": 1}}), ServingPolicy)
+    assert isinstance(build_policy({"name": "replay"}), ServingPolicy)
