@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.live import Live
 
 from astraflow.config import RunConfig
+from astraflow.files import atomic_write
 from astraflow.monitor import RunMonitor
 from topics.bus import BusError, connect
 from topics.follow import LatestByKey
@@ -204,10 +205,7 @@ class Launcher:
         codes = {c.name: {"pid": c.proc.pid if c.proc else None,
                           "exit_code": c.proc.poll() if c.proc else None, "restarts": c.restarts}
                  for c in self.components}
-        path = self.cfg.run_dir / "components.json"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(codes, indent=1))
-        os.replace(tmp, path)
+        atomic_write(self.cfg.run_dir / "components.json", json.dumps(codes, indent=1))
 
     def _stop_all(self, grace_s: float = 60.0) -> None:
         live = [c for c in self.components if c.proc and c.proc.poll() is None]

@@ -20,21 +20,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from astraflow.config import RunConfig
-
+from astraflow.files import atomic_write
 from producers.sources import PromptSource, load_source
 from topics.bus import Bus
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
 from topics.patience import patiently
+
+if TYPE_CHECKING:
+    from astraflow.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +84,9 @@ class AcquisitionState:
         return state
 
     def save(self, path: Path) -> None:
-        """Write the state atomically (temp file + rename)."""
+        """Write the state atomically (:func:`astraflow.files.atomic_write`)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(asdict(self)))
 
 
 class Acquisition:

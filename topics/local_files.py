@@ -9,10 +9,11 @@ import fcntl
 import json
 import os
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from astraflow.files import atomic_write
 
 
 def now_ms() -> int:
@@ -32,10 +33,8 @@ def flocked(path: Path) -> Iterator[None]:
 
 
 def write_json(path: Path, obj: object) -> None:
-    """Replace ``path`` atomically with ``obj`` as JSON."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}")
-    tmp.write_text(json.dumps(obj, sort_keys=True))
-    os.replace(tmp, path)
+    """Replace ``path`` atomically (:func:`astraflow.files.atomic_write`) with ``obj`` as JSON."""
+    atomic_write(path, json.dumps(obj, sort_keys=True))
 
 
 def read_json(path: Path, default: object) -> object:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from astraflow.files import atomic_write
 from topics.bus import TopicPartition
 
 LATEST = "LATEST"
@@ -103,9 +104,7 @@ def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, o
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    latest_tmp = root / f".{LATEST}.tmp"
-    latest_tmp.write_text(name)
-    os.replace(latest_tmp, root / LATEST)
+    atomic_write(root / LATEST, name)
     _fsync_dir(root)
     complete = sorted((p for p in root.glob("ckpt-*") if p.is_dir()), key=_order)
     for old in complete[:-max(keep, 1)]:

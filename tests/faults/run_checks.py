@@ -19,7 +19,8 @@ def wait_for_steps(launcher: subprocess.Popen, run_dir: Path, steps: int, deadli
     launcher exits first, or at ``deadline`` (``time.monotonic()``)."""
     while steps_trained(run_dir) < steps:
         assert launcher.poll() is None, launcher.communicate()[1][-4000:]
-        assert time.monotonic() < deadline, "no training progress"
+        assert time.monotonic() < deadline, f"{steps_trained(run_dir)} of {steps} steps by the deadline\n" \
+                                            f"{log_tails(run_dir)}"
         time.sleep(0.2)
 
 
