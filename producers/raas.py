@@ -7,9 +7,9 @@ per policy, writes one TrajectoryGroup per policy to ``trajectories.<policy>``
 and a RolloutOutcome to ``outcomes``, and commits the prompt offsets only after
 those writes are acknowledged.
 
-``group_id`` is derived from (prompt_id, epoch, policy, position), so a prompt that is
-redelivered after a crash yields groups with the same ids, which the serving
-stage de-duplicates.
+The workflow derives each ``group_id`` from (prompt_id, epoch, policy, role)
+(:func:`producers.workflows.group_id_for`), so a prompt that is redelivered after
+a crash yields groups with the same ids, which the serving stage de-duplicates.
 
 Between batches it pulls new weights through the Weight Manager's puller.
 Backpressure: it pauses its ``prompts`` partitions while the in-flight groups
@@ -19,7 +19,6 @@ exceed ``raas.max_inflight_groups`` (see :meth:`RaasWorker.inflight_groups`), or
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -39,14 +38,6 @@ from weights.puller import Puller, WeightsUnavailable
 from weights.store import WeightStore
 
 log = logging.getLogger(__name__)
-
-
-def group_id_for(prompt: Prompt, policy: str, index: int) -> str:
-    """The de-duplication key of the ``index``-th group a workflow returned for one delivery of
-    ``prompt``: sha256 of (prompt_id, epoch, policy, index), 32 hex characters. A redelivered
-    prompt gets the same ids (workflows return their groups in a fixed role order)."""
-    key = f"{prompt.prompt_id}\x00{prompt.metadata.get('epoch', 0)}\x00{policy}\x00{index}"
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def make_engine(cfg: RunConfig, policy: str) -> Engine:
@@ -179,8 +170,8 @@ class RaasWorker:
         """Run the workflow on ``prompt`` and write its groups and outcomes (not flushed)."""
         groups = self.workflow.run(prompt, self.engines, self.sampling)
         out = []
-        for i, g in enumerate(groups):
-            g = g.model_copy(update={"group_id": group_id_for(prompt, g.policy, i), "producer_id": self.id})
+        for g in groups:
+            g = g.model_copy(update={"producer_id": self.id})
             self.producer.send(self.names.trajectories(g.policy), encode(g), key=g.prompt_id,
                                headers=headers_for(g))
             outcome = RolloutOutcome(prompt_id=g.prompt_id, group_id=g.group_id, policy=g.policy,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import uuid
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, ClassVar, Mapping
 
@@ -168,10 +168,22 @@ class Workflow(abc.ABC):
         return engines[policy]
 
     def group(self, prompt: Prompt, role: str, samples: list[Sample]) -> TrajectoryGroup:
-        """A new group (fresh ``group_id``) of ``samples`` for ``role``'s policy."""
-        return TrajectoryGroup.build(samples=samples, prompt_id=prompt.prompt_id, group_id=uuid.uuid4().hex,
-                                     policy=self.policies[role], source=prompt.source,
+        """The group of ``samples`` that ``role``'s policy produced for ``prompt``, with its
+        :func:`group_id_for` id (each role makes one group per run of the workflow)."""
+        policy = self.policies[role]
+        return TrajectoryGroup.build(samples=samples, prompt_id=prompt.prompt_id,
+                                     group_id=group_id_for(prompt, policy, role),
+                                     policy=policy, source=prompt.source,
                                      task_type=prompt.task_type, workflow=self.name)
+
+
+def group_id_for(prompt: Prompt, policy: str, role: str) -> str:
+    """The de-duplication key of the group ``role`` (played by ``policy``) makes for one delivery of
+    ``prompt``: sha256 of (prompt_id, epoch, policy, role), 32 hex characters. A redelivered prompt
+    (a RaaS worker crashed before its commit) gets the same ids, which the serving stage de-duplicates;
+    the next epoch's rollout of the prompt gets new ones."""
+    key = f"{prompt.prompt_id}\x00{prompt.metadata.get('epoch', 0)}\x00{policy}\x00{role}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 @register_workflow("single_turn")

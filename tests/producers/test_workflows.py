@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from producers.engines import Engine, Generation, HFEngine, SamplingParams
-from producers.workflows import WORKFLOWS, accepts, get_workflow, prompt_ids
+from producers.workflows import WORKFLOWS, accepts, get_workflow, group_id_for, prompt_ids
 from topics.codec import decode, encode
 from topics.schemas import Prompt, TrajectoryGroup
 
@@ -56,6 +56,11 @@ def test_single_turn(engine):
     group = groups[0]
     assert group.policy == "actor" and group.prompt_id == prompt.prompt_id and len(group.samples) == 6
     assert group.workflow == "single_turn" and group.min_version == group.max_version == 2
+    # the group id is the delivery's identity: a redelivery gets the same id, the next epoch a new one
+    again = get_workflow("single_turn").run(prompt, {"actor": engine}, SAMPLING)[0]
+    next_epoch = prompt.model_copy(update={"metadata": {**prompt.metadata, "epoch": 1}})
+    assert again.group_id == group.group_id == group_id_for(prompt, "actor", "policy")
+    assert get_workflow("single_turn").run(next_epoch, {"actor": engine}, SAMPLING)[0].group_id != group.group_id
     ids = prompt_ids(engine.tokenizer, prompt)
     for s in group.samples:
         assert s.input_ids[:len(ids)].tolist() == ids
