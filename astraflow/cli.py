@@ -88,12 +88,18 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
 @app.command()
 def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Write the config's prompt sources to the run's `prompts` topic (through the curators, if any).
-    Remembers how far it got: a restart does not resend."""
+    Remembers how far it got: a restart does not resend. A bad record is logged (path:line and why),
+    written to `deadletter` and skipped; with `data.strict=true` it exits 1 with that message instead."""
     from producers.acquisition import acquire_run
+    from producers.sources import SourceError
 
     cfg = _load(config, overrides)
     stop = _component_setup("acquire", cfg)
-    sent = acquire_run(cfg, stop)
+    try:
+        sent = acquire_run(cfg, stop)
+    except SourceError as e:
+        typer.echo(f"acquisition stopped: {e}", err=True)
+        raise typer.Exit(1)
     logging.getLogger("astraflow").info("acquisition done: %d prompts sent", sent)
 
 
@@ -373,12 +379,15 @@ def version() -> None:
 @app.command("verify-rewards")
 def verify_rewards(
     dataset: str = typer.Option(..., "--dataset", help="a built-in source (gsm8k, math500, humaneval, mbpp, ...) or a JSONL/parquet file"),
-    answer_field: str = typer.Option(None, "--answer-field", help="read the gold answer from this field"),
+    answer_field: str = typer.Option(None, "--answer-field", help="read the gold answer from this field (a list: "
+                                                                   "its first element)"),
     limit: int = typer.Option(0, "--limit", help="check only the first N prompts (0: all)"),
     timeout_s: float = typer.Option(10.0, "--timeout", help="per-item reward timeout, seconds"),
 ) -> None:
     """Score each gold answer and a perturbed wrong one; print disagreements, then a JSON line
-    {"gold_accept", "wrong_reject", "n"}."""
+    {"gold_accept", "wrong_reject", "n"}. Records that cannot be made a prompt are skipped, with their
+    count and the first one's path:line and reason (e.g. the missing field and the fields it has) on
+    stderr; exits 2 when no record is left."""
     import json
 
     from rich.console import Console
@@ -393,10 +402,20 @@ def verify_rewards(
     except SourceError as e:
         typer.echo(f"--dataset {dataset!r}: {e}", err=True)
         raise typer.Exit(2)
-    candidates = [source.get(i) for i in range(min(limit, len(source)) if limit > 0 else len(source))]
-    prompts = [p for p in candidates if p is not None]
-    if len(prompts) < len(candidates):
-        Console(stderr=True).print(f"skipped {len(candidates) - len(prompts)} malformed record(s)")
+    n = min(limit, len(source)) if limit > 0 else len(source)
+    prompts, errors = [], []
+    for i in range(n):
+        try:
+            prompts.append(source[i])
+        except SourceError as e:
+            errors.append(str(e))
+    if errors:
+        typer.echo(f"skipped {len(errors)} of {n} record(s) that cannot be made a prompt; the first: {errors[0]}",
+                   err=True)
+    if not prompts:
+        hint = "" if answer_field else " (--answer-field names the gold answer's field)"
+        typer.echo(f"--dataset {dataset!r}: no record to score{hint}", err=True)
+        raise typer.Exit(2)
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(f"scoring {source.name}", total=2 * len(prompts))
         result = check_rewards(prompts, timeout_s=timeout_s, on_done=lambda: progress.advance(task))

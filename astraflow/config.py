@@ -35,13 +35,25 @@ class SourceConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """Acquisition: sources, group size G, epochs and shuffling."""
+    """Acquisition: sources, group size G, epochs and shuffling, and what a bad record costs.
+
+    A bad record (not UTF-8, not JSON, a missing field, a prompt over ``max_prompt_chars``) is
+    logged with its ``path:line``, counted and written to ``deadletter``, and acquisition goes on;
+    with ``strict`` it stops there instead and exits non-zero (``producers/acquisition.py``).
+    """
 
     sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(name="arith")], min_length=1)
     n_samples: int = Field(default=8, ge=1, description="G: samples per prompt")
     epochs: int = Field(default=1, ge=1)
     shuffle_seed: int = 0
     max_outstanding: int = Field(default=256, ge=1, description="prompts written but not yet taken by RaaS")
+    max_prompt_chars: int | None = Field(
+        default=32768, ge=1, description="longest prompt acquisition accepts, counted in characters of the prompt's "
+                                         "text (acquisition loads no tokenizer); a longer one is rejected to "
+                                         "deadletter. None: no limit. RaaS also rejects, in tokens, a prompt that "
+                                         "does not fit its model's context")
+    strict: bool = Field(default=False, description="stop acquisition at the first bad record (exit non-zero) "
+                                                    "instead of rejecting it to deadletter and going on")
 
 
 class SamplingConfig(_Strict):

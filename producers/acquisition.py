@@ -15,6 +15,17 @@ Pacing: with ``max_outstanding`` set, the producer waits while the RaaS consumer
 group's lag on ``prompts`` (records written but not yet committed, from
 :meth:`topics.bus.Admin.group_lag`) would exceed it, so a run does not dump the
 whole dataset onto the topic at once.
+
+Bad records cost one record each: a record the source cannot make a Prompt of
+(a line that is not UTF-8 or not JSON, a missing field, a prompt over
+``data.max_prompt_chars`` characters; see :class:`producers.sources.PromptSource`)
+gets one warning line naming ``path:line`` and the reason, is counted in the
+state's ``rejected``, and is written to the run's ``deadletter`` topic as a
+:class:`topics.schemas.DeadLetter` (``topic`` = the source file, ``partition`` = -1,
+``offset`` = the line or row, ``key`` = the prompt id it would have had,
+``value`` = the raw record, at most :data:`DEADLETTER_MAX_BYTES`), durable with
+its batch; then acquisition goes on. It happens in every epoch that meets the
+record. With ``strict`` the first bad record raises instead.
 """
 from __future__ import annotations
 
@@ -27,16 +38,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from astraflow.files import atomic_write
-from producers.sources import PromptSource, load_source
-from topics.bus import Bus
+from producers.sources import PromptSource, SourceError, load_source, prompt_id
+from topics.bus import Bus, Producer
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
 from topics.patience import patiently
+from topics.schemas import DeadLetter
 
 if TYPE_CHECKING:
     from astraflow.config import RunConfig
 
 log = logging.getLogger(__name__)
+
+#: The most bytes of a rejected record kept in its dead letter (the error says when it was cut).
+DEADLETTER_MAX_BYTES = 1 << 20
 
 
 class AcquisitionError(RuntimeError):
@@ -50,9 +65,9 @@ class AcquisitionState:
     Attributes:
         source, records, seed: identify the source and shuffle this state belongs to.
         epoch: the current pass (0-based).
-        position: how many records of this epoch's order are done (sent or skipped).
+        position: how many records of this epoch's order are done (sent or rejected).
         sent: prompts acknowledged by the bus, all epochs together.
-        skipped: malformed records skipped, all epochs together.
+        rejected: bad records dead-lettered instead of sent, all epochs together.
     """
 
     source: str
@@ -61,7 +76,7 @@ class AcquisitionState:
     epoch: int = 0
     position: int = 0
     sent: int = 0
-    skipped: int = 0
+    rejected: int = 0
 
     @classmethod
     def load(cls, path: Path, source: str, records: int, seed: int) -> "AcquisitionState":
@@ -74,7 +89,10 @@ class AcquisitionState:
         if not path.exists():
             return cls(source=source, records=records, seed=seed)
         try:
-            state = cls(**json.loads(path.read_text()))
+            fields = json.loads(path.read_text())
+            if "skipped" in fields:  # written before `skipped` was renamed `rejected`
+                fields["rejected"] = fields.pop("skipped")
+            state = cls(**fields)
         except (ValueError, TypeError) as e:
             raise AcquisitionError(f"acquisition state {path} is not valid ({e}); delete it to start over") from None
         if (state.source, state.records, state.seed) != (source, records, seed):
@@ -113,6 +131,7 @@ class Acquisition:
         poll_s: seconds between lag checks while paced.
         gate: a curator gate (:class:`policies.processor.CuratorGate`): each
             prompt goes through ``gate.submit`` instead of straight to ``prompts``.
+        strict: raise on the first bad record instead of dead-lettering it (module docstring).
 
     Raises:
         ValueError: a non-positive ``epochs``, ``batch_size`` or ``max_outstanding``.
@@ -122,7 +141,8 @@ class Acquisition:
                  n_samples: int = 8, workflow: str = "single_turn", epochs: int = 1, seed: int = 0,
                  shuffle: bool = True, batch_size: int = 64, max_outstanding: int | None = None,
                  group: str | None = None, partitions: int = 4, producer_id: str = "acquisition",
-                 metadata: dict[str, Any] | None = None, poll_s: float = 0.5, gate: Any = None):
+                 metadata: dict[str, Any] | None = None, poll_s: float = 0.5, gate: Any = None,
+                 strict: bool = False):
         if epochs < 1 or batch_size < 1 or (max_outstanding is not None and max_outstanding < 1):
             raise ValueError(f"epochs ({epochs}), batch_size ({batch_size}) and max_outstanding "
                              f"({max_outstanding}) must be positive")
@@ -137,6 +157,7 @@ class Acquisition:
         self.metadata = dict(metadata or {})
         self.poll_s = poll_s
         self.gate = gate
+        self.strict = strict
         self.state = (AcquisitionState.load(self.state_path, source.name, len(source), seed)
                       if self.state_path is not None
                       else AcquisitionState(source=source.name, records=len(source), seed=seed))
@@ -180,9 +201,13 @@ class Acquisition:
         Raises:
             topics.bus.BusError: the bus refused or did not acknowledge a batch;
                 the state still points at the start of that batch.
+            producers.sources.SourceError: with ``strict``, the first bad record (``path:line: reason``);
+                the state still points at the start of its batch.
         """
         stop = stop or threading.Event()
-        self.bus.admin().create_topic(self.names.prompts, partitions=self.partitions)
+        admin = self.bus.admin()
+        admin.create_topic(self.names.prompts, partitions=self.partitions)
+        admin.create_topic(self.names.deadletter, partitions=self.partitions)
         producer = self.bus.producer()
         total = self.epochs * len(self.source)
         sent_now = 0
@@ -199,9 +224,10 @@ class Acquisition:
                     break
                 sent = 0
                 for index in chunk:
-                    prompt = self.source.get(index)
-                    if prompt is None:
-                        self.state.skipped += 1
+                    try:
+                        prompt = self.source[index]
+                    except SourceError as e:
+                        self._reject(producer, index, e)
                         continue
                     prompt = prompt.model_copy(update={
                         "workflow": self.workflow, "n_samples": self.n_samples,
@@ -227,6 +253,25 @@ class Acquisition:
             bar.close()
             producer.close()
         return sent_now
+
+    def _reject(self, producer: Producer, index: int, error: SourceError) -> None:
+        """Dead-letter record ``index`` (queued, flushed with its batch), log it and count it.
+
+        Raises:
+            SourceError: ``error`` itself, with ``strict``.
+        """
+        if self.strict:
+            raise error
+        raw = self.source.raw(index)
+        cut = f" (value: its first {DEADLETTER_MAX_BYTES} of {len(raw)} bytes)" \
+            if len(raw) > DEADLETTER_MAX_BYTES else ""
+        key = prompt_id(self.source.name, index).encode()
+        letter = DeadLetter(topic=self.source.path or self.source.name, partition=-1, offset=self.source.line(index),
+                            key=key, value=raw[:DEADLETTER_MAX_BYTES], error=f"{error}{cut}")
+        producer.send(self.names.deadletter, encode(letter), key=key,
+                      headers={"schema": DeadLetter.SCHEMA, "origin": self.source.where(index)})
+        self.state.rejected += 1
+        log.warning("rejected %s (dead letter on %s)", error, self.names.deadletter)
 
 
 class _Progress:
@@ -259,11 +304,14 @@ def acquire_run(cfg: "RunConfig", stop: threading.Event | None = None) -> int:
     configured (``cfg.curators``), prompts go through a :class:`policies.processor.CuratorGate`
     that learns from ``outcomes``; its decisions are made when the prompt is sent.
 
+    Each source rejects prompts over ``cfg.data.max_prompt_chars`` characters; with ``cfg.data.strict``
+    the first bad record stops acquisition (see :class:`Acquisition`).
+
     Returns:
         Prompts sent.
 
     Raises:
-        SourceError: a source cannot be opened.
+        SourceError: a source cannot be opened, or (``cfg.data.strict``) a record is bad.
     """
     from policies.base import Curator
     from policies.processor import CuratorGate
@@ -279,13 +327,14 @@ def acquire_run(cfg: "RunConfig", stop: threading.Event | None = None) -> int:
         gate = CuratorGate(bus, cfg.run, build_chain(cfg.curators, Curator), policy=policy)
     acqs = []
     for i, src in enumerate(cfg.data.sources):
-        source = load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed)
+        source = load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed,
+                             max_prompt_chars=cfg.data.max_prompt_chars)
         if src.limit is not None:
             source = replace(source, records=source.records[:src.limit])
         acqs.append((src.weight, Acquisition(
             bus, names, source, state_path=state_dir / f"{i}-{source.name}.json", n_samples=cfg.data.n_samples,
             workflow=cfg.workflow.name, epochs=cfg.data.epochs, seed=cfg.data.shuffle_seed,
-            max_outstanding=cfg.data.max_outstanding, gate=gate)))
+            max_outstanding=cfg.data.max_outstanding, gate=gate, strict=cfg.data.strict)))
     top = max(w for w, _ in acqs)
     sent = 0
     try:
@@ -296,4 +345,7 @@ def acquire_run(cfg: "RunConfig", stop: threading.Event | None = None) -> int:
     finally:
         if gate is not None:
             gate.close()
+    for _, a in acqs:
+        log.info("source %s: %d prompts sent, %d bad records rejected to %s (in all)", a.source.name, a.state.sent,
+                 a.state.rejected, names.deadletter)
     return sent

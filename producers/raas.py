@@ -16,21 +16,26 @@ Backpressure: it pauses its ``prompts`` partitions while the in-flight groups
 (filter and trainer lag on ``trajectories.<policy>`` and ``samples.<policy>``)
 exceed ``raas.max_inflight_groups`` (see :meth:`RaasWorker.inflight_groups`), or while its weights are more than
 ``max_staleness`` versions behind the newest announcement.
+
+A prompt that does not fit a policy's model (its tokens plus ``sampling.max_new_tokens`` over the model's
+``max_position_embeddings``, see :meth:`RaasWorker.oversize`) is not rolled out: it goes to ``deadletter``
+with the reason (counted as ``too_long_total`` on ``metrics``), and its offset is committed with the batch.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from pathlib import Path
 
 from astraflow.config import RunConfig
 from astraflow.models import resolve_model
 from producers.engines import Engine, HFEngine, SamplingParams
-from producers.workflows import get_workflow
+from producers.workflows import get_workflow, prompt_ids
 from topics.bus import Bus, BusError, connect
 from topics.patience import patiently
 from topics.codec import encode, headers_for
-from topics.deadletter import ValidatingConsumer
+from topics.deadletter import ValidatingConsumer, send_to_deadletter
 from topics.follow import LatestByKey
 from topics.names import TopicNames
 from topics.schemas import Metric, Prompt, RolloutOutcome, TrainerProgress, TrajectoryGroup
@@ -49,6 +54,14 @@ def make_engine(cfg: RunConfig, policy: str) -> Engine:
         return SGLangEngine(url=pc.sglang_url, model_path=str(resolve_model(pc.model)),
                             launch=pc.sglang_url is None)
     return HFEngine(resolve_model(pc.model))
+
+
+def context_length(model_dir: str | Path) -> int | None:
+    """The most positions (prompt plus generated tokens) the model in ``model_dir`` takes: its config's
+    ``max_position_embeddings`` (of the text model, for a multimodal config); None when it has none."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_dir).get_text_config(), "max_position_embeddings", None)
 
 
 class RaasWorker:
@@ -75,6 +88,7 @@ class RaasWorker:
             raise KeyError(f"workflow {cfg.workflow.name!r} needs policies {sorted(missing)} that the config "
                            f"does not define (policies: {sorted(cfg.policies)})")
         self.engines = {p: make_engine(cfg, p) for p in self.policies}
+        self.context = {p: context_length(resolve_model(cfg.policies[p].model)) for p in self.policies}
         store = WeightStore(cfg.store, cfg.run)
         self.pullers = {p: Puller(store, self.bus, self.names, p,
                                   on_update=lambda state, v, p=p: self.engines[p].load_weights(state, v))
@@ -90,7 +104,7 @@ class RaasWorker:
         self.consumer.subscribe([self.names.prompts])
         self.prompts = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, Prompt)
         self.paused_reason = ""
-        self.totals = {"prompts": 0, "groups": 0, "tokens": 0}
+        self.totals = {"prompts": 0, "groups": 0, "tokens": 0, "too_long": 0}
         self._last_metric = 0.0
 
     # -- weights and backpressure ---------------------------------------------------------
@@ -166,6 +180,21 @@ class RaasWorker:
         return ""
 
     # -- rollout ---------------------------------------------------------------------------
+    def oversize(self, prompt: Prompt) -> str:
+        """Why ``prompt`` does not fit a policy's model ('' when it fits everywhere): its token count
+        (:func:`producers.workflows.prompt_ids` with that policy's tokenizer) plus ``sampling.max_new_tokens``
+        is over the model's context (:attr:`context`, tokens; a model without one is not checked)."""
+        for p in self.policies:
+            limit = self.context[p]
+            if limit is None:
+                continue
+            n = len(prompt_ids(self.engines[p].tokenizer, prompt))
+            if n + self.sampling.max_new_tokens > limit:
+                return (f"prompt {prompt.prompt_id} ({prompt.source}) is {n} tokens: with sampling.max_new_tokens="
+                        f"{self.sampling.max_new_tokens} it does not fit policy {p}'s context of {limit} tokens "
+                        "(max_position_embeddings)")
+        return ""
+
     def rollout(self, prompt: Prompt) -> list[TrajectoryGroup]:
         """Run the workflow on ``prompt`` and write its groups and outcomes (not flushed)."""
         groups = self.workflow.run(prompt, self.engines, self.sampling)
@@ -188,7 +217,7 @@ class RaasWorker:
         """One iteration: sync weights, apply backpressure, roll out one batch, flush, commit.
 
         Returns:
-            Prompts rolled out (0 while paused or idle).
+            Prompts rolled out (0 while paused or idle); dead-lettered ones are not counted.
         """
         self.sync_weights()
         reason = self.pause_reason()
@@ -203,16 +232,25 @@ class RaasWorker:
             for puller in self.pullers.values():
                 puller.poll(timeout_s=0.1 / len(self.pullers))
         batch = self.prompts.poll(self.cfg.raas.batch_prompts, 0.0 if reason else 0.5)
-        for _, prompt in batch:
+        rolled = 0
+        for record, prompt in batch:
+            too_long = self.oversize(prompt)
+            if too_long:  # dead-lettered, flushed before the commit below
+                log.warning("%s: dead-lettering %s[%d]@%d: %s", self.id, record.topic, record.partition,
+                            record.offset, too_long)
+                send_to_deadletter(self.producer, self.names.deadletter, record, too_long, self.consumer.group)
+                self.totals["too_long"] += 1
+                continue
             self.rollout(prompt)
+            rolled += 1
         if self.prompts.last_offsets:
             # Durable first, then committed; a failing broker is waited out here, keeping the batch in hand
             # (records are idempotent; a redelivered prompt would get the same group ids anyway).
             patiently(f"{self.id}: flush", self.producer.flush, log=log)
             patiently(f"{self.id}: commit", self._commit_owned, log=log)
-        self.totals["prompts"] += len(batch)
+        self.totals["prompts"] += rolled
         self._maybe_metrics()
-        return len(batch)
+        return rolled
 
     def _commit_owned(self) -> None:
         """Commit the batch's prompt offsets on the partitions this worker still owns (a partition that

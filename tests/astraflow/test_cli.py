@@ -56,3 +56,46 @@ def test_component_commands_refuse_an_unusable_bus_in_one_line(command):
     result = CliRunner().invoke(app, [*command, "examples/arith-tiny.yaml", "bus=foo://x"])
     assert result.exit_code == 2
     assert result.output.strip() == "cannot use bus foo://x: bus URL 'foo://x': unknown scheme 'foo' (use kafka:// or local://)"
+
+
+def test_verify_rewards_names_the_missing_field_and_the_fields_a_record_has(tmp_path):
+    data = tmp_path / "sol.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+{i}?", "solution": str(2 * i)}) + "\n" for i in range(3)))
+    result = CliRunner().invoke(app, ["verify-rewards", "--dataset", str(data)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)  # no traceback
+    assert result.output.splitlines() == [
+        f"skipped 3 of 3 record(s) that cannot be made a prompt; the first: {data}:1: no field 'answer' "
+        "(fields: ['problem', 'solution'])",
+        f"--dataset '{data}': no record to score (--answer-field names the gold answer's field)"]
+
+
+def test_verify_rewards_takes_the_first_element_of_a_list_valued_answer_field(tmp_path):
+    data = tmp_path / "golds.jsonl"
+    data.write_text(json.dumps({"problem": "What is 6*7?", "golds": ["42", "forty-two"]}) + "\n"
+                    + json.dumps({"problem": "What is 1/2?", "golds": ["\\frac{1}{2}", "0.5"]}) + "\n"
+                    + json.dumps({"problem": "What is 0?", "golds": []}) + "\n")
+    result = CliRunner().invoke(app, ["verify-rewards", "--dataset", str(data), "--answer-field", "golds"])
+    assert result.exit_code == 0, result.output
+    assert f"skipped 1 of 3 record(s) that cannot be made a prompt; the first: {data}:3: field 'golds' is an " \
+           "empty list" in result.output
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"gold_accept": 1.0, "wrong_reject": 1.0, "n": 2}
+
+
+def test_acquire_with_strict_data_exits_non_zero_at_the_first_bad_record(tmp_path):
+    """In a subprocess: a component command installs signal handlers and logging for its process."""
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"a": 1, "b": 2}\n{"a": 3\n{"a": 5, "b": 6}\n')
+
+    def acquire(*overrides):
+        return subprocess.run([sys.executable, "-m", "astraflow", "acquire", "examples/arith-tiny.yaml",
+                               f"data.sources=[{{name: {data}, adapter: arith}}]", "data.epochs=1", *overrides],
+                              cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+
+    strict = acquire(f"run_dir={tmp_path / 'strict'}", "data.strict=true")
+    assert strict.returncode == 1 and "Traceback" not in strict.stderr, strict.stderr
+    assert strict.stderr.strip().splitlines()[-1] == \
+        f"acquisition stopped: {data}:2: not JSON (Expecting ',' delimiter: line 1 column 8 (char 7))"
+    lenient = acquire(f"run_dir={tmp_path / 'lenient'}")
+    assert lenient.returncode == 0, lenient.stderr
+    assert f"rejected {data}:2: not JSON" in lenient.stderr
+    assert "source p: 2 prompts sent, 1 bad records rejected to arith-tiny.deadletter (in all)" in lenient.stderr

@@ -1,16 +1,22 @@
-"""Acquisition on every bus backend: epochs, seeded shuffle, resume without resending, lag pacing."""
+"""Acquisition on every bus backend: epochs, seeded shuffle, resume without resending, lag pacing; bad records
+go to deadletter one by one (or stop a strict run)."""
+import json
+import logging
+import re
 import threading
 import time
 import uuid
 
 import pytest
 
-from producers.acquisition import Acquisition, AcquisitionError
-from producers.sources import load_source
-from topics.bus import TopicPartition, connect
+from astraflow.config import load_config
+from bad_prompts import BAD_LINES, GOOD_LINES, write_bad_prompt_file
+from producers.acquisition import Acquisition, AcquisitionError, acquire_run
+from producers.sources import SourceError, load_source, prompt_id
+from topics.bus import TopicPartition, connect, read_topic
 from topics.codec import decode
 from topics.names import TopicNames
-from topics.schemas import Prompt
+from topics.schemas import DeadLetter, Prompt
 
 
 def read_prompts(bus, topic: str, expect: int, timeout_s: float = 30.0) -> list:
@@ -92,3 +98,54 @@ def test_state_of_another_source_is_refused(tmp_path):
         Acquisition(bus, names, load_source("arith", n=6), state_path=state)
     with pytest.raises(ValueError, match="must be positive"):
         Acquisition(bus, names, load_source("arith", n=5), epochs=0)
+
+
+def bad_file_config(tmp_path, *overrides):
+    path = write_bad_prompt_file(tmp_path / "p.jsonl")
+    cfg = load_config(None, [f"run=acq{uuid.uuid4().hex[:8]}", f"run_dir={tmp_path / 'run'}",
+                             "policies.actor.model=tiny", f"data.sources=[{{name: {path}}}]", *overrides])
+    return path, cfg
+
+
+def test_bad_records_go_to_deadletter_one_by_one_and_the_rest_is_sent(tmp_path, caplog):
+    path, cfg = bad_file_config(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="producers.acquisition"):
+        assert acquire_run(cfg) == 3
+    bus, names = connect(cfg.bus), TopicNames(cfg.run)
+    prompts = [decode(r.value, Prompt) for r in read_topic(bus, names.prompts)]
+    assert sorted(p.answer for p in prompts) == sorted(GOOD_LINES.values())
+    letters = sorted((decode(r.value, DeadLetter) for r in read_topic(bus, names.deadletter)), key=lambda d: d.offset)
+    assert [d.offset for d in letters] == sorted(BAD_LINES)
+    index = {line: i for i, line in enumerate(sorted([*BAD_LINES, *GOOD_LINES]))}  # line 5 is blank: no record
+    for d in letters:
+        assert (d.topic, d.partition, d.key) == (str(path), -1, prompt_id("p", index[d.offset]).encode())
+        assert re.fullmatch(rf"{re.escape(str(path))}:{d.offset}: {BAD_LINES[d.offset]}.*", d.error), d.error
+        raw = path.read_bytes().split(b"\n")[d.offset - 1]
+        # unreadable lines as read; the others as their record re-encoded
+        assert d.value == raw if d.offset in (2, 4) else json.loads(d.value) == json.loads(raw)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 4
+    for line, reason in BAD_LINES.items():
+        assert len([w for w in warnings if re.search(rf"{re.escape(str(path))}:{line}: {reason}", w)]) == 1
+    state = json.loads((tmp_path / "run" / "acquisition" / "0-p.json").read_text())
+    assert (state["sent"], state["rejected"], state["epoch"]) == (3, 4, 1)
+
+
+def test_strict_stops_at_the_first_bad_record(tmp_path):
+    path, cfg = bad_file_config(tmp_path, "data.strict=true")
+    with pytest.raises(SourceError) as info:
+        acquire_run(cfg)
+    bus, names = connect(cfg.bus), TopicNames(cfg.run)
+    order = Acquisition(bus, names, load_source(str(path)), seed=cfg.data.shuffle_seed).order(0)
+    lines = sorted([*BAD_LINES, *GOOD_LINES])
+    first = next(lines[i] for i in order if lines[i] in BAD_LINES)
+    assert re.fullmatch(rf"{re.escape(str(path))}:{first}: {BAD_LINES[first]}.*", str(info.value)), str(info.value)
+    assert sum(bus.admin().end_offsets(names.deadletter).values()) == 0
+
+
+def test_a_state_file_from_before_rejected_was_named_skipped_still_loads(tmp_path):
+    state = tmp_path / "s.json"
+    state.write_text('{"source": "arith", "records": 5, "seed": 0, "epoch": 1, "position": 0, "sent": 4, "skipped": 1}')
+    acq = Acquisition(connect(f"local://{tmp_path / 'bus'}"), TopicNames("acq"), load_source("arith", n=5),
+                      state_path=state)
+    assert (acq.state.sent, acq.state.rejected, acq.done) == (4, 1, True)

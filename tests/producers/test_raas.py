@@ -1,5 +1,7 @@
 """RaaS workers: two share one consumer group; one is SIGKILLed mid-rollout; every prompt
-still yields exactly one accepted group downstream (de-duplicated by group_id)."""
+still yields exactly one accepted group downstream (de-duplicated by group_id). A prompt too long for
+the model goes to deadletter and the worker moves past it."""
+import json
 import os
 import signal
 import subprocess
@@ -12,10 +14,11 @@ import pytest
 
 from astraflow.config import load_config
 from producers.acquisition import acquire_run
+from producers.raas import RaasWorker
 from topics.bus import connect, read_topic
 from topics.codec import decode
 from topics.names import TopicNames
-from topics.schemas import TrajectoryGroup
+from topics.schemas import DeadLetter, Prompt, TrajectoryGroup
 
 N_PROMPTS = 200
 
@@ -95,3 +98,43 @@ def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_m
         assert len(g.samples) == 4 and g.policy == "actor"
         for s in g.samples:
             assert s.loss_mask.sum() >= 1 and (s.versions[s.loss_mask == 1] == 0).all()
+
+
+def test_a_prompt_longer_than_the_model_context_is_dead_lettered(tmp_path, tiny_model_dir):
+    """The tiny model takes 2048 positions; a 3000-digit operand is 3004 prompt tokens."""
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [{"a": 1, "b": 2}, {"a": "1" * 3000, "b": 1},
+                                                             {"a": 3, "b": 4}, {"a": 5, "b": 6}]))
+    path = tmp_path / "run.yaml"
+    path.write_text(f"""
+run: long{uuid.uuid4().hex[:8]}
+run_dir: {tmp_path / 'run'}
+policies:
+  actor: {{model: {tiny_model_dir}}}
+data: {{sources: [{{name: {data}, adapter: arith}}], n_samples: 2, max_prompt_chars: null}}
+sampling: {{max_new_tokens: 2}}
+raas: {{batch_prompts: 4}}
+""")
+    cfg = load_config(path)
+    names, bus = TopicNames(cfg.run), connect(cfg.bus)
+    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
+    assert acquire_run(cfg) == 4  # no character limit at acquisition: RaaS is the one to refuse it
+    worker = RaasWorker(cfg, 0, bus)
+    lag = lambda: sum(bus.admin().group_lag(names.raas_group("single_turn"), names.prompts).values())  # noqa: E731
+    try:
+        deadline = time.monotonic() + 120
+        while lag() > 0:
+            assert time.monotonic() < deadline, "the worker did not get past the long prompt"
+            worker.step()
+    finally:
+        worker.close()
+    assert sorted(g.prompt_id for g in read_all(bus, names.trajectories("actor"))) == \
+        sorted(decode(r.value, Prompt).prompt_id for r in read_topic(bus, names.prompts)
+               if len(decode(r.value, Prompt).text) < 100)
+    [letter] = [decode(r.value, DeadLetter) for r in read_topic(bus, names.deadletter)]
+    long_prompt = decode(letter.value, Prompt)
+    assert long_prompt.text == "1" * 3000 + "+1=" and letter.topic == names.prompts
+    assert letter.consumer_group == names.raas_group("single_turn")
+    assert letter.error == (f"prompt {long_prompt.prompt_id} (sums) is 3004 tokens: with sampling.max_new_tokens=2 it "
+                            "does not fit policy actor's context of 2048 tokens (max_position_embeddings)")
+    assert worker.totals["too_long"] == 1 and worker.totals["prompts"] == 3

@@ -1,4 +1,4 @@
-"""Prompt sources: file formats, the dataset adapters, stable ids and profiling."""
+"""Prompt sources: file formats, the dataset adapters, stable ids and profiling; a bad record costs one record."""
 import gzip
 import json
 import re
@@ -7,6 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from bad_prompts import BAD_LINES, GOOD_LINES, write_bad_prompt_file
 from producers.sources import (SOURCES, SourceError, gsm8k_answer, load_source, prompt_id, read_records)
 
 
@@ -105,7 +106,7 @@ def test_bad_inputs_give_clear_errors(tmp_path):
         read_records(tmp_path / "x.csv")
     (tmp_path / "bad.jsonl").write_text('{"a": 1}\nnot json\n')
     with pytest.raises(SourceError, match="bad.jsonl:2: not JSON"):
-        read_records(tmp_path / "bad.jsonl")
+        load_source(str(tmp_path / "bad.jsonl"))[1]  # the bad line costs its record only
     with pytest.raises(SourceError, match="unknown adapter"):
         load_source("math500", adapter="nope")
 
@@ -120,3 +121,56 @@ def test_a_saved_hf_dataset_directory(tmp_path):
         return
     datasets.Dataset.from_list([{"problem": "p", "answer": "1"}]).save_to_disk(str(tmp_path / "ds"))
     assert load_source(str(tmp_path / "ds"))[0].answer == "1"
+
+
+def test_each_bad_line_costs_its_record_only(tmp_path):
+    path = write_bad_prompt_file(tmp_path / "p.jsonl")
+    src = load_source(str(path), max_prompt_chars=32768)
+    assert len(src) == 7 and src.name == "p"  # the blank line is no record
+    good, bad = {}, {}
+    for i in range(len(src)):
+        try:
+            good[src.line(i)] = src[i]
+        except SourceError as e:
+            bad[src.line(i)] = str(e)
+    assert {line: p.answer for line, p in good.items()} == GOOD_LINES
+    # records after a bad line keep their index, so their ids do not depend on whether it is fixed
+    assert good[8].prompt_id == prompt_id("p", 6) and good[8].metadata["index"] == 6
+    assert set(bad) == set(BAD_LINES)
+    for line, reason in BAD_LINES.items():
+        assert re.fullmatch(rf"{re.escape(str(path))}:{line}: {reason}.*", bad[line]), bad[line]
+        assert "\n" not in bad[line]
+    assert src.raw(3) == b'{"problem": "caf\xe9 au lait?", "answer": "1"}'  # the line as read
+    assert json.loads(src.raw(4)) == {"problem": "What is the answer?"}
+    assert load_source(str(path))[5].metadata["length"] == 1000071  # no limit by default
+
+
+def test_a_utf8_bom_is_not_a_bad_record_and_an_all_bad_file_is_refused(tmp_path):
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"problem": "p", "answer": "1"}\n')
+    assert load_source(str(tmp_path / "bom.jsonl"))[0].answer == "1"
+    (tmp_path / "junk.jsonl").write_text("[1, 2]\nnope\n")
+    with pytest.raises(SourceError, match=r"none of its 2 records is readable; the first, .*junk.jsonl:1: "
+                                          r"expected a JSON object, got list"):
+        load_source(str(tmp_path / "junk.jsonl"))
+
+
+def test_field_errors_name_the_field_and_the_fields_the_record_has(tmp_path):
+    rows = [{"question": "q0", "golds": ["7", "seven"]}, {"question": "q1", "golds": []},
+            {"question": "q2", "golds": {"a": 1}}, {"question": ["not", "text"], "golds": "1"},
+            {"question": "q4", "solution": "1"}]
+    pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "lists.parquet")
+    assert load_source(str(tmp_path / "lists.parquet"), answer_field="golds")[0].answer == "7"  # the first element
+    path = tmp_path / "f.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = load_source(str(path), answer_field="golds")
+    assert src[0].answer == "7"
+    for i, message in [(1, "field 'golds' is an empty list"), (2, "field 'golds' holds dict"),
+                       (3, "field 'question' holds list, not the question's text"),
+                       (4, "no field 'golds' (fields: ['question', 'solution'])")]:
+        with pytest.raises(SourceError, match=re.escape(f"{path}:{i + 1}: {message}")):
+            src[i]
+    with pytest.raises(SourceError, match=re.escape(f"{path}:1: no field 'answer' (fields: ['golds', 'question'])")):
+        load_source(str(path))[0]
+    math = tmp_path / "m.jsonl"
+    math.write_text(json.dumps({"problem": "p", "answer": ["\\frac12", "0.5"]}) + "\n")
+    assert load_source(str(math))[0].answer == "\\frac12"  # MATH-style records too
