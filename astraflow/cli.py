@@ -194,15 +194,13 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
            policy: str = typer.Option(..., "--policy", help="the policy to retrain"),
            publish_as: Optional[str] = typer.Option(None, "--publish-as",
                                                     help="also publish the replayed weights as this new run name"),
-           trained_log: Optional[Path] = typer.Option(None, "--trained-log",
-                                                      help="default: <run_dir>/trainer.<policy>/trained_groups.jsonl"),
            threads: Optional[int] = typer.Option(None, "--threads",
                                                  help="torch CPU threads (default: $OMP_NUM_THREADS, else 1, "
                                                       "as `astraflow run` gives its trainers)")) -> None:
     """Retrain a policy from the run's recorded `samples.<policy>` as a new consumer group
     `replay.<policy>.<id>`, and compare each version's weight sha256 with the original's.
-    With the trainer's trained-groups log, each version trains on exactly the recorded groups
-    (bit-exact on CPU); without it, the serving stage re-serves the topic (not bit-exact).
+    With the batches the trainer recorded on `trained`, each version trains on exactly those groups
+    (bit-exact on CPU); without them, the serving stage re-serves the topic (not bit-exact).
     Prints a table and a JSON line {"metric": "replay", "versions", "matched", "mismatched", ...};
     exits 1 when an exact replay mismatches or cannot find its groups."""
     import os
@@ -210,9 +208,6 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     cfg = _load(config, overrides)
     if policy not in cfg.policies:
         typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
-        raise typer.Exit(2)
-    if trained_log is not None and not trained_log.is_file():
-        typer.echo(f"--trained-log {trained_log} does not exist", err=True)
         raise typer.Exit(2)
     threads = threads if threads is not None else int(os.environ.get("OMP_NUM_THREADS") or 1)
     if threads < 1:
@@ -228,9 +223,9 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     err = Console(stderr=True)
     try:
-        result = replay_run(cfg, policy, publish_as=publish_as, trained_log=trained_log,
+        result = replay_run(cfg, policy, publish_as=publish_as,
                             on_version=lambda v, sha: err.print(f"replayed {policy} v{v}: sha256 {sha[:16]}"))
-    except ValueError as e:  # a bad --publish-as, or a malformed trained-groups log
+    except ValueError as e:  # a bad --publish-as
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
     except ReplayError as e:

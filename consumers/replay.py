@@ -8,36 +8,35 @@ initial model and seed.
 
 Two modes:
 
-- **exact** (the trained-groups log is available): the serving stage's batch
+- **exact** (the run's ``trained`` topic holds the policy's batches): the serving stage's batch
   composition depends on timing (what had arrived when a batch was cut), so the
   replay does not re-serve. It trains version ``v`` on exactly the groups the
-  original trainer logged for ``v`` in ``<run_dir>/trainer.<policy>/trained_groups.jsonl``
-  (fresh groups, then replay-pool groups, in the recorded order). With the same
+  original trainer recorded for ``v`` (:func:`trainer.service.trained_batches`:
+  fresh groups, then replay-pool groups, in the recorded order). With the same
   trainer config, seed and CPU thread count, every version's weights are then
   bit-identical to the original's: :func:`weights.codec.state_sha256` of the
   bf16 CPU copy (:meth:`~trainer.loop.Trainer.publish_state`) equals the sha256
   the original announced on the ``weights`` topic.
-- **reserve** (no log, e.g. on another machine): the groups are re-served by a
+- **reserve** (no recorded batches, e.g. a run from before they were recorded): the groups are re-served by a
   :class:`~consumers.serving.ServingStage` with the config's batch size and
   staleness bound. This reruns the experiment on the same data, but the batches
   differ from the original's, so the checksums are not expected to match.
 """
 from __future__ import annotations
 
-import json
 import logging
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from topics.bus import Bus, Consumer, TopicPartition, connect
-from topics.codec import MessageError, decode
+from topics.bus import Bus, BusError, TopicPartition, connect
+from topics.follow import Follower
 from topics.names import TopicNames
-from topics.schemas import TrajectoryGroup, WeightAnnouncement
+from topics.schemas import TrainedBatch, TrajectoryGroup, WeightAnnouncement
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
+from trainer.service import trained_batches
 from weights.codec import read_header, state_sha256
 from weights.store import StoreError, WeightStore
 
@@ -51,19 +50,7 @@ OnVersion = Callable[[int, str], None]
 
 
 class ReplayError(RuntimeError):
-    """The replay cannot run: logged groups are missing from the topic."""
-
-
-class TrainedLogError(ValueError):
-    """The trained-groups log is malformed; the message names the file, the line and the reason."""
-
-
-@dataclass(frozen=True)
-class LoggedStep:
-    """One line of the trained-groups log: the version a step produced and the group ids it trained on, in order."""
-
-    version: int
-    group_ids: tuple[str, ...]
+    """The replay cannot run: recorded groups are missing from the topic, or recorded versions have gaps."""
 
 
 @dataclass
@@ -117,80 +104,40 @@ def replay_group(policy: str) -> str:
     return f"replay.{policy}.{uuid.uuid4().hex[:8]}"
 
 
-def read_trained_log(path: str | Path) -> list[LoggedStep]:
-    """Read a trainer's ``trained_groups.jsonl``: per line ``{"version", "group_ids", "replayed_ids"}``.
-
-    A step's groups are its fresh ``group_ids`` followed by its ``replayed_ids``
-    (the order of :class:`~consumers.serving.ServedBatch.groups`).
-
-    Raises:
-        FileNotFoundError: no log at ``path``.
-        TrainedLogError: a line is not such a JSON object, or the versions are not 1, 2, 3, ...
-    """
-    steps: list[LoggedStep] = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-                ids = [str(i) for i in entry["group_ids"]] + [str(i) for i in entry.get("replayed_ids", [])]
-                version = int(entry["version"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise TrainedLogError(f"trained-groups log {path}, line {n}: not a "
-                                  f'{{"version", "group_ids", "replayed_ids"}} object ({type(e).__name__}: {e})') from None
-            if version != len(steps) + 1:
-                raise TrainedLogError(f"trained-groups log {path}, line {n}: version {version}, expected {len(steps) + 1}")
-            if not ids:
-                raise TrainedLogError(f"trained-groups log {path}, line {n}: version {version} trained no groups")
-            steps.append(LoggedStep(version, tuple(ids)))
-    return steps
-
-
-def _assign_all(consumer: Consumer, bus: Bus, topic: str) -> None:
-    parts = [TopicPartition(topic, p) for p in range(bus.admin().describe_topic(topic).partitions)]
-    consumer.assign(parts)
-    consumer.seek_to_beginning(parts)
-
-
-def read_groups(bus: Bus, topic: str, group: str, wanted: set[str], idle_s: float = 5.0) -> dict[str, TrajectoryGroup]:
-    """Read ``topic`` from the beginning as consumer ``group`` until every id in ``wanted`` is found.
+def read_groups(bus: Bus, topic: str, group: str, wanted: set[str], timeout_s: float = 300.0
+                ) -> dict[str, TrajectoryGroup]:
+    """Read ``topic`` to its end (a :class:`~topics.follow.Follower`: from the beginning, every partition) and
+    keep the groups whose ids are in ``wanted``.
 
     Records that do not decode as a :class:`TrajectoryGroup` are skipped (the
     original trainer dead-lettered them); a repeated ``group_id`` keeps its first
-    record, as the serving stage's de-duplication does. The group's offsets are
-    committed at the end, so ``astraflow status`` shows what the replay read.
+    record, as the serving stage's de-duplication does. The offsets read are then
+    committed as consumer group ``group`` (the original trainer's are never touched),
+    so ``astraflow status`` shows what the replay read.
 
     Returns:
         ``{group_id: group}`` for the ids in ``wanted``.
 
     Raises:
-        ReplayError: some wanted ids were not found before ``idle_s`` seconds passed with no new record
-            (the topic's retention deleted them, or the log belongs to another run).
-        topics.bus.BusError: the topic does not exist or the bus failed.
+        ReplayError: some wanted ids are not on the topic (its retention deleted them, or the log belongs
+            to another run).
+        topics.bus.BusError: the topic does not exist, the bus failed, or the topic was not read within
+            ``timeout_s`` seconds.
     """
-    consumer = bus.consumer(group, client_id=group)
+    follower = Follower(bus, topic, TrajectoryGroup, client_id=group)
     try:
-        _assign_all(consumer, bus, topic)
         found: dict[str, TrajectoryGroup] = {}
-        ends: dict[TopicPartition, int] = {}
-        last = time.monotonic()
-        while len(found) < len(wanted) and time.monotonic() - last < idle_s:
-            records = consumer.poll(max_records=500, timeout_s=0.5)
-            if records:
-                last = time.monotonic()
-            for r in records:
-                ends[r.tp] = max(ends.get(r.tp, 0), r.offset + 1)
-                try:
-                    g = decode(r.value, expect=TrajectoryGroup, topic=r.topic, partition=r.partition, offset=r.offset)
-                except MessageError:
-                    continue
-                if g.group_id in wanted and g.group_id not in found:
-                    found[g.group_id] = g
-        if ends:
-            consumer.commit(ends)
+        for _, g in follower.read_to_end(timeout_s):
+            if g.group_id in wanted and g.group_id not in found:
+                found[g.group_id] = g
+        read = {TopicPartition(topic, p): o for p, o in follower.positions.items()}
     finally:
-        consumer.close()
+        follower.close()
+    committer = bus.consumer(group, client_id=group)
+    try:
+        committer.commit(read)
+    finally:
+        committer.close()
     missing = wanted - found.keys()
     if missing:
         raise ReplayError(f"{len(missing)} of {len(wanted)} logged groups are not on {topic} "
@@ -207,37 +154,21 @@ def _store_sha256(store: WeightStore, key: str, kind: str) -> str:
 
 
 def recorded_checksums(bus: Bus, names: TopicNames, policy: str, store: WeightStore | None = None,
-                       versions: int | None = None, idle_s: float = 3.0) -> dict[int, str]:
-    """The original run's sha256 per version of ``policy``.
+                       timeout_s: float = 30.0) -> dict[int, str]:
+    """The original run's sha256 (hex) per version of ``policy``.
 
-    From the ``weights`` topic's announcements (read from the beginning without a
-    consumer group), stopping once versions 1..``versions`` are all seen or after
-    ``idle_s`` seconds without a record; versions missing there (the topic is
-    compacted by policy, and a busy publisher coalesces versions) are read from
-    the store's objects when ``store`` is given.
+    From the ``weights`` topic's announcements, read to its end (a :class:`~topics.follow.Follower`);
+    versions missing there (the topic is compacted by policy, and a busy publisher coalesces versions)
+    are read from the store's objects when ``store`` is given.
 
     Raises:
-        topics.bus.BusError: the bus failed.
+        topics.bus.BusError: the bus failed, or the ``weights`` topic was not read within ``timeout_s`` seconds.
     """
-    out: dict[int, str] = {}
-    consumer = bus.consumer(None, client_id=f"replay-check-{policy}")
+    follower = Follower(bus, names.weights, WeightAnnouncement, client_id=f"replay-check-{policy}")
     try:
-        _assign_all(consumer, bus, names.weights)
-        last = time.monotonic()
-        while time.monotonic() - last < idle_s and not (versions and all(v in out for v in range(1, versions + 1))):
-            records = consumer.poll(max_records=500, timeout_s=0.5)
-            if records:
-                last = time.monotonic()
-            for r in records:
-                try:
-                    ann = decode(r.value, expect=WeightAnnouncement, topic=r.topic, partition=r.partition,
-                                 offset=r.offset)
-                except MessageError:
-                    continue
-                if ann.policy == policy:
-                    out[ann.version] = ann.sha256
+        out = {ann.version: ann.sha256 for _, ann in follower.read_to_end(timeout_s) if ann.policy == policy}
     finally:
-        consumer.close()
+        follower.close()
     if store is not None:
         for version, objs in store.versions(policy).items():
             if version in out:
@@ -266,16 +197,18 @@ def _step(trainer: Trainer, groups: list[TrajectoryGroup], publisher, on_version
     return trainer.version, len(groups), sha
 
 
-def replay_exact(config: TrainerConfig, model_dir: str | Path, steps: list[LoggedStep],
+def replay_exact(config: TrainerConfig, model_dir: str | Path, steps: list[TrainedBatch],
                  groups: dict[str, TrajectoryGroup], *, publisher=None, on_version: OnVersion | None = None
                  ) -> list[tuple[int, int, str]]:
-    """Train a fresh trainer on the logged steps, in order, and checksum each version.
+    """Train a fresh trainer on the recorded steps, in order, and checksum each version: version ``v``
+    on its fresh ``group_ids`` followed by its ``replayed_ids`` (the order of
+    :class:`~consumers.serving.ServedBatch.groups`).
 
     Args:
         config: the original trainer's config (same seed, dtypes, optimiser, batch splits).
         model_dir: the original initial model (version 0).
-        steps: from :func:`read_trained_log`.
-        groups: ``{group_id: group}`` holding every logged id (:func:`read_groups`).
+        steps: versions 1, 2, 3, ... (:func:`trainer.service.trained_batches`).
+        groups: ``{group_id: group}`` holding every recorded id (:func:`read_groups`).
         publisher: a ``weights.publisher.Publisher`` to publish each version through, or None.
         on_version: called as ``on_version(version, sha256)`` after each step.
 
@@ -284,15 +217,19 @@ def replay_exact(config: TrainerConfig, model_dir: str | Path, steps: list[Logge
         bf16 CPU weights (:meth:`~trainer.loop.Trainer.publish_state`), what the original trainer announced.
 
     Raises:
-        ReplayError: a logged id is not in ``groups``.
+        ReplayError: the versions are not 1, 2, 3, ..., or a recorded id is not in ``groups``.
     """
+    versions = [s.version for s in steps]
+    if versions != list(range(1, len(steps) + 1)):
+        raise ReplayError(f"recorded versions {versions[:10]}... are not 1, 2, 3, ...: the record has gaps")
     trainer = Trainer(config, model_dir)
     out = []
     for step in steps:
-        missing = [i for i in step.group_ids if i not in groups]
+        ids = [*step.group_ids, *step.replayed_ids]
+        missing = [i for i in ids if i not in groups]
         if missing:
             raise ReplayError(f"version {step.version}: groups {missing[:3]} were not read from the topic")
-        out.append(_step(trainer, [groups[i] for i in step.group_ids], publisher, on_version))
+        out.append(_step(trainer, [groups[i] for i in ids], publisher, on_version))
     return out
 
 
@@ -309,11 +246,14 @@ def replay_reserve(bus: Bus, names: TopicNames, config: TrainerConfig, model_dir
     """
     from consumers.serving import ServingStage
 
+    topic = names.samples(config.policy)
     consumer = bus.consumer(group, client_id=group)
     producer = bus.producer()
     try:
-        _assign_all(consumer, bus, names.samples(config.policy))
-        serving = ServingStage(consumer, producer, names.samples(config.policy), names.deadletter,
+        parts = [TopicPartition(topic, p) for p in range(bus.admin().describe_topic(topic).partitions)]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(parts)
+        serving = ServingStage(consumer, producer, topic, names.deadletter,
                                max_staleness=max_staleness, batch_groups=batch_groups)
         trainer = Trainer(config, model_dir)
         out = []
@@ -329,12 +269,11 @@ def replay_reserve(bus: Bus, names: TopicNames, config: TrainerConfig, model_dir
         producer.close()
 
 
-def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None, trained_log: str | Path | None = None,
+def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None,
                on_version: OnVersion | None = None) -> ReplayResult:
     """Replay ``policy`` of the run ``cfg`` describes and check each version against the original's sha256.
 
-    Exact when the trained-groups log exists (``trained_log``, default
-    ``<run_dir>/trainer.<policy>/trained_groups.jsonl``), else re-served (module docstring).
+    Exact when the run's ``trained`` topic holds the policy's batches, else re-served (module docstring).
 
     Args:
         cfg: the original run's config (bus, store, run name, the policy's model and trainer).
@@ -345,8 +284,7 @@ def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None, tr
     Raises:
         KeyError: ``policy`` is not in ``cfg.policies``.
         ValueError: ``publish_as`` is the original run's name or not a valid run name.
-        TrainedLogError: the log is malformed.
-        ReplayError: logged groups are missing from the topic.
+        ReplayError: recorded groups are missing from the topic, or the recorded versions have gaps.
         topics.bus.BusError: the bus failed.
     """
     from astraflow.models import resolve_model
@@ -355,7 +293,6 @@ def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None, tr
     pc = cfg.policies[policy]
     if publish_as == cfg.run:
         raise ValueError(f"--publish-as {publish_as!r} is the original run: give a new run name")
-    log_path = Path(trained_log) if trained_log else cfg.run_dir / f"trainer.{policy}" / "trained_groups.jsonl"
     bus, names, group = connect(cfg.bus), TopicNames(cfg.run), replay_group(policy)
     publisher = None
     if publish_as is not None:
@@ -364,14 +301,20 @@ def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None, tr
         publisher = Publisher(WeightStore(cfg.store, publish_as), bus, new_names, policy,
                               producer_id=f"replay.{policy}")
     try:
-        if log_path.is_file():
-            mode, steps = "exact", read_trained_log(log_path)
-            groups = read_groups(bus, names.samples(policy), group, {i for s in steps for i in s.group_ids})
+        try:
+            steps = trained_batches(bus, names, policy)
+        except BusError as e:  # a run from before the trained topic: nothing recorded
+            log.warning("cannot read %s (%s)", names.trained, e)
+            steps = []
+        if steps:
+            mode = "exact"
+            groups = read_groups(bus, names.samples(policy), group,
+                                 {i for s in steps for i in (*s.group_ids, *s.replayed_ids)})
             trained = replay_exact(cfg.trainer_config(policy), resolve_model(pc.model), steps, groups, publisher=publisher,
                                    on_version=on_version)
         else:
-            log.warning("no trained-groups log at %s: re-serving %s through the serving stage (not bit-exact)",
-                        log_path, names.samples(policy))
+            log.warning("no trained batches of %s on %s: re-serving %s through the serving stage (not bit-exact)",
+                        policy, names.trained, names.samples(policy))
             mode = "reserve"
             trained = replay_reserve(bus, names, cfg.trainer_config(policy), resolve_model(pc.model), group, steps=pc.steps,
                                      batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
@@ -379,5 +322,5 @@ def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None, tr
     finally:
         if publisher is not None:
             publisher.close()
-    recorded = recorded_checksums(bus, names, policy, WeightStore(cfg.store, cfg.run), versions=len(trained))
+    recorded = recorded_checksums(bus, names, policy, WeightStore(cfg.store, cfg.run))
     return ReplayResult(mode, group, [VersionCheck(v, n, sha, recorded.get(v)) for v, n, sha in trained])

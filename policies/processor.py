@@ -34,6 +34,7 @@ from policies.base import KEEP, Curator, Decision, Filter
 from topics.bus import Bus, BusError, TopicPartition, offsets_after, read_topic
 from topics.codec import MessageError, decode, encode, headers_for
 from topics.deadletter import ValidatingConsumer
+from topics.follow import Follower
 from topics.names import TopicNames
 from topics.patience import patiently
 from topics.schemas import Metric, PolicyState, Prompt, RolloutOutcome, TrajectoryGroup, WeightAnnouncement
@@ -210,7 +211,7 @@ class CuratorGate:
     Before each decision the gate drains, without waiting, the ``outcomes``
     of ``policy`` (consumer group ``curator.<policy>``; each outcome goes to
     every curator's ``update``) and the ``weights`` announcements of ``policy``
-    (a newer version goes to every curator's ``on_version``).
+    (a :class:`~topics.follow.Follower`; a newer version goes to every curator's ``on_version``).
 
     The chain's state survives restarts the way a Kafka Streams state store does: at each
     :meth:`flush` that follows applied outcomes, every curator's ``state_dict`` goes to the compacted
@@ -231,7 +232,8 @@ class CuratorGate:
         totals: counts since start.
 
     Raises:
-        BusError: the ``state`` topic could not be read for longer than the patience.
+        BusError: the ``state`` topic could not be read for longer than the patience, or the ``weights``
+            topic does not exist.
     """
 
     def __init__(self, bus: Bus, run: str, curators: Sequence[Curator], *, policy: str,
@@ -245,11 +247,8 @@ class CuratorGate:
         self.outcomes = bus.consumer(self.names.curator_group(policy), client_id=self.component,
                                      instance_id=self.component)
         self.outcomes.subscribe([self.names.outcomes])
-        self.weights = bus.consumer(None, client_id=self.component)
-        self.weights.seek_to_beginning()  # before assign: the assignment then starts at the beginning
-        self.weights.assign([TopicPartition(self.names.weights, 0)])
+        self.weights = Follower(bus, self.names.weights, WeightAnnouncement, client_id=self.component)
         self._outcomes = ValidatingConsumer(self.outcomes, self.producer, self.names.deadletter, RolloutOutcome)
-        self._weights = ValidatingConsumer(self.weights, self.producer, self.names.deadletter, WeightAnnouncement)
         self.pending: Counter = Counter()
         self.totals: Counter = Counter()
         self._last_metrics = time.monotonic()
@@ -286,7 +285,7 @@ class CuratorGate:
     def pump(self, timeout_s: float = 0.0) -> int:
         """Apply pending ``weights`` and ``outcomes`` to the curators, waiting up to ``timeout_s`` seconds
         for outcomes; returns the number of outcomes applied."""
-        for _, ann in self._weights.poll(500, 0.0):
+        for _, ann in self.weights.poll():
             if ann.policy == self.policy and ann.version > self.version:
                 self.version = ann.version
                 for c in self.curators:

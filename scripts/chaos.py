@@ -126,7 +126,7 @@ def main() -> int:
             summary = json.loads(lines[-1]) if lines else {}
         except ValueError:
             summary = {}
-        audit = audit_run(connect(bus_url), TopicNames(run), run_dir, "actor", "single_turn")
+        audit = audit_run(connect(bus_url), TopicNames(run), "actor", "single_turn")
     finally:
         broker("stop", a.port)
     complete = bool(summary.get("complete")) and launcher.returncode == 0

@@ -15,7 +15,6 @@ committed offset.
 from __future__ import annotations
 
 import abc
-import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple
 
@@ -257,7 +256,8 @@ class Admin(abc.ABC):
         """Per partition, the earliest retained offset."""
 
     def ensure_run_topics(self, names: "TopicNames", policies: Iterable[str], partitions: int = 4) -> None:
-        """Create every topic of a run: compacted ``weights``, ``control`` and ``state``, the rest plain."""
+        """Create every topic of a run: compacted ``weights``, ``control``, ``state`` and ``trained``, the rest
+        plain."""
         for topic in (names.prompts, names.outcomes, names.metrics, names.deadletter):
             self.create_topic(topic, partitions=partitions)
         for policy in policies:
@@ -266,6 +266,7 @@ class Admin(abc.ABC):
         self.create_topic(names.weights, partitions=1, compacted=True)
         self.create_topic(names.control, partitions=1, compacted=True)
         self.create_topic(names.state, partitions=1, compacted=True)
+        self.create_topic(names.trained, partitions=1, compacted=True)
 
 
 class Bus(abc.ABC):
@@ -303,27 +304,21 @@ def read_topic(bus: Bus, topic: str, timeout_s: float = 30.0) -> list[Record]:
     """Every record of ``topic`` up to its current end offsets, all partitions, read from the
     beginning with no consumer group (nothing is committed), in (partition, offset) order.
 
+    Read by a :class:`topics.follow.TopicReader`: on a transactionally written topic (Kafka,
+    ``read_committed``) the commit and abort markers are never received, so a partition short of its end
+    offset is taken to end in markers once no record has arrived for :data:`topics.follow.IDLE_S` seconds.
+
     Raises:
         BusError: the topic does not exist, or its records did not arrive within ``timeout_s`` seconds.
     """
-    ends = bus.admin().end_offsets(topic)
-    reader = bus.consumer(None)
+    from topics.follow import TopicReader  # topics.follow builds on this module
+
+    reader = TopicReader(bus, topic)
     try:
-        reader.seek_to_beginning()
-        reader.assign([TopicPartition(topic, p) for p in ends])
-        seen: dict[int, int] = {p: 0 for p in ends}
-        out: list[Record] = []
-        deadline = time.monotonic() + timeout_s
-        while any(seen[p] < end for p, end in ends.items()):
-            if time.monotonic() > deadline:
-                raise BusError(f"read_topic {topic}: records up to {ends} did not arrive in {timeout_s} s")
-            for r in reader.poll(500, 0.5):
-                if r.offset < ends[r.partition]:
-                    seen[r.partition] = r.offset + 1
-                    out.append(r)
+        records, ends = reader.read_to_end(timeout_s)
     finally:
         reader.close()
-    return sorted(out, key=lambda r: (r.partition, r.offset))
+    return sorted((r for r in records if r.offset < ends[r.partition]), key=lambda r: (r.partition, r.offset))
 
 
 def connect(url: str) -> Bus:

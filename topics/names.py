@@ -44,6 +44,12 @@ class TopicNames:
         return self._name("control")
 
     @property
+    def trained(self) -> str:
+        """Compacted record of what each trainer step trained (:class:`topics.schemas.TrainedBatch`),
+        keyed ``<policy>/<version>``."""
+        return self._name("trained")
+
+    @property
     def state(self) -> str:
         """Compacted changelog of stateful data policies (:class:`topics.schemas.PolicyState`), keyed by component."""
         return self._name("state")

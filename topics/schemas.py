@@ -266,6 +266,26 @@ class TrainerProgress(Message):
                 "model_version_max": str(self.version)}
 
 
+class TrainedBatch(Message):
+    """The groups one trainer step trained, on ``trained`` (compacted, keyed ``<policy>/<version>``).
+
+    Sent when the step's checkpoint is taken, before it is written: a step redone after a restart
+    sends its key again, and the newest record per key is the checkpointed history. Replay
+    (:mod:`consumers.replay`) and the exactly-once audit (:mod:`astraflow.audit`) read it.
+    """
+
+    SCHEMA: ClassVar[str] = "TrainedBatch"
+    policy: str = Field(min_length=1)
+    version: int = Field(ge=1, description="the weight version the step produced")
+    group_ids: list[str] = Field(description="the fresh groups of the batch, in batch order")
+    replayed_ids: list[str] = Field(default_factory=list, description="groups re-served by the replay policy")
+    ts: float = Field(default_factory=time.time)
+
+    def routing(self) -> dict[str, str]:
+        return {"policy": self.policy, "model_version_min": str(self.version),
+                "model_version_max": str(self.version)}
+
+
 class PolicyState(Message):
     """A stateful data policy chain's checkpoint on ``state`` (compacted, keyed by ``component``).
 
@@ -322,6 +342,6 @@ class DeadLetter(Message):
 
 SCHEMAS: dict[str, type[Message]] = {
     cls.SCHEMA: cls
-    for cls in (Prompt, TrajectoryGroup, RolloutOutcome, WeightAnnouncement, Control, TrainerProgress, PolicyState,
-                Metric, DeadLetter)
+    for cls in (Prompt, TrajectoryGroup, RolloutOutcome, WeightAnnouncement, Control, TrainerProgress, TrainedBatch,
+                PolicyState, Metric, DeadLetter)
 }

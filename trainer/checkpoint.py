@@ -5,7 +5,7 @@ Layout under a checkpoint root::
     ckpt-00000012/        (a later save of the same version: ckpt-00000012.1, .2, ...)
         model/            save_pretrained directory (safetensors), loadable by AutoModelForCausalLM
         optimizer.pt      torch.save of the optimizer state_dict
-        state.pt          torch.save of {"serving": ..., "policies": ..., "extra": ...}
+        state.pt          torch.save of {"serving": ..., "policies": ...}
         meta.json         {"version", "offsets": [[topic, partition, offset], ...], "created_ts", ...}
     LATEST                the name of the newest complete checkpoint
 
@@ -39,7 +39,7 @@ class Checkpoint:
 
     ``model_dir`` is the ``save_pretrained`` directory; ``optimizer`` the optimizer
     state_dict; ``offsets`` the next offset to consume per partition; ``serving`` and
-    ``policies`` the state dicts saved with it; ``extra`` free JSON-able values.
+    ``policies`` the state dicts saved with it.
     """
 
     path: Path
@@ -49,7 +49,6 @@ class Checkpoint:
     offsets: dict[TopicPartition, int]
     serving: dict[str, Any] = field(default_factory=dict)
     policies: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -62,15 +61,13 @@ def _fsync_dir(path: Path) -> None:
 
 def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     offsets: dict[TopicPartition, int], serving: dict[str, Any] | None = None,
-                    policies: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
-                    keep: int = 2) -> Path:
+                    policies: dict[str, Any] | None = None, keep: int = 2) -> Path:
     """Write a checkpoint of ``version`` under ``root`` atomically and prune all but the newest ``keep``.
 
     Args:
         model: an HF model (``save_pretrained`` is used).
         offsets: per partition, the next offset to consume (records).
         serving, policies: state dicts (anything ``torch.save`` can pickle).
-        extra: JSON-able values stored in ``meta.json``.
         keep: complete checkpoints kept (>= 1).
 
     Returns:
@@ -91,7 +88,7 @@ def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, o
         model.save_pretrained(tmp / "model")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save({"serving": serving or {}, "policies": policies or {}}, tmp / "state.pt")
-        meta = {"version": version, "created_ts": time.time(), "extra": extra or {},
+        meta = {"version": version, "created_ts": time.time(),
                 "offsets": [[tp.topic, tp.partition, off] for tp, off in sorted(offsets.items())]}
         (tmp / "meta.json").write_text(json.dumps(meta))
         for f in tmp.rglob("*"):
@@ -138,5 +135,5 @@ def load_latest(root: str | Path) -> Checkpoint | None:
     return Checkpoint(
         path=path, version=int(meta["version"]), model_dir=path / "model", optimizer=optimizer,
         offsets={TopicPartition(t, int(p)): int(o) for t, p, o in meta["offsets"]},
-        serving=state["serving"], policies=state["policies"], extra=meta.get("extra", {}),
+        serving=state["serving"], policies=state["policies"],
     )

@@ -6,24 +6,21 @@ version ``v`` does not start step ``v + 1`` until every other policy has
 announced version ``v`` on the ``weights`` topic. A peer that stops early (its
 ``steps`` is smaller) holds nobody back past its final version.
 
-The barrier reads announcements only (``WeightAnnouncement``, partition 0 of the
-compacted ``weights`` topic, from the beginning, no consumer group), so it works
-across machines and survives restarts: a restarted trainer re-reads the newest
-version of each peer.
+The barrier reads announcements only (``WeightAnnouncement`` s on the compacted
+``weights`` topic, through a :class:`~topics.follow.Follower`: from the beginning,
+no consumer group), so it works across machines and survives restarts: a
+restarted trainer re-reads the newest version of each peer.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Mapping
 
-from topics.bus import Bus, TopicPartition
-from topics.codec import MessageError, decode
+from topics.bus import Bus
+from topics.follow import Follower
 from topics.names import TopicNames
 from topics.schemas import WeightAnnouncement
-
-log = logging.getLogger(__name__)
 
 
 class VersionBarrier:
@@ -37,6 +34,7 @@ class VersionBarrier:
 
     Raises:
         ValueError: ``peers`` is empty or a final version is < 1.
+        topics.bus.BusError: the ``weights`` topic cannot be created or read.
     """
 
     def __init__(self, bus: Bus, names: TopicNames, peers: Mapping[str, int]):
@@ -48,20 +46,17 @@ class VersionBarrier:
         self.finals = dict(peers)
         self.newest = {p: 0 for p in peers}  # version 0 (the base model) needs no announcement
         bus.admin().create_topic(names.weights, partitions=1, compacted=True)
-        self._consumer = bus.consumer(None, client_id=f"barrier-{'-'.join(sorted(peers))}")
-        tp = TopicPartition(names.weights, 0)
-        self._consumer.assign([tp])
-        self._consumer.seek_to_beginning([tp])
+        self._announcements = Follower(bus, names.weights, WeightAnnouncement,
+                                       client_id=f"barrier-{'-'.join(sorted(peers))}")
 
     def poll(self, timeout_s: float = 0.0) -> dict[str, int]:
-        """Read new announcements; returns peer -> newest announced version. Malformed ones are skipped."""
-        for rec in self._consumer.poll(timeout_s=timeout_s):
-            try:
-                ann = decode(rec.value, WeightAnnouncement, topic=rec.topic, partition=rec.partition,
-                             offset=rec.offset)
-            except MessageError as e:
-                log.warning("version barrier: skipping bad announcement: %s", e)
-                continue
+        """Read new announcements, waiting up to ``timeout_s`` seconds for the first; returns peer -> newest
+        announced version. Malformed ones are logged and skipped.
+
+        Raises:
+            topics.bus.BusError: the bus failed.
+        """
+        for _, ann in self._announcements.poll(timeout_s):
             if ann.policy in self.newest:
                 self.newest[ann.policy] = max(self.newest[ann.policy], ann.version)
         return dict(self.newest)
@@ -80,6 +75,9 @@ class VersionBarrier:
 
         Returns:
             Seconds waited, or None if ``stop`` was set first.
+
+        Raises:
+            topics.bus.BusError: the bus failed.
         """
         start = time.perf_counter()
         self.poll()
@@ -91,4 +89,4 @@ class VersionBarrier:
 
     def close(self) -> None:
         """Stop reading announcements."""
-        self._consumer.close()
+        self._announcements.close()

@@ -4,19 +4,20 @@ Per step: the serving stage assembles a batch from ``samples.<policy>``, the
 :class:`~trainer.loop.Trainer` trains on it and publishes the new version, and
 metrics go out. Every ``checkpoint_every`` steps (and at the end):
 
-1. the group ids trained since the last checkpoint are appended to
-   ``<run_dir>/trained_groups.jsonl`` and fsynced;
-2. the checkpoint (model, optimizer, version, offsets, serving and replay state,
-   and the byte length of that log) is written atomically;
+1. the group ids of each step since the last checkpoint go to the compacted
+   ``trained`` topic (:class:`~topics.schemas.TrainedBatch`, key ``<policy>/<version>``)
+   and are acknowledged;
+2. the checkpoint (model, optimizer, version, offsets, serving and replay state)
+   is written atomically;
 3. the consumed offsets are committed on the bus.
 
-A restart loads the latest checkpoint, truncates the log to the length it
-records, and seeks to its offsets: steps after the checkpoint are redone, and
-every group is trained exactly once in the checkpointed history.
+A restart loads the latest checkpoint and seeks to its offsets: steps after the
+checkpoint are redone and their keys sent again, so the newest record per key
+(:func:`trained_batches`) is the checkpointed history, in which every group is
+trained exactly once.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -27,10 +28,12 @@ from typing import Any
 
 from consumers.serving import ServingStage
 from policies.base import ServingPolicy
-from topics.bus import BusError, connect
+from topics.bus import Bus, BusError, connect
 from topics.codec import encode, headers_for
+from topics.follow import LatestByKey
 from topics.names import TopicNames
-from topics.schemas import TrainerProgress
+from topics.patience import patiently
+from topics.schemas import TrainedBatch, TrainerProgress
 from trainer.checkpoint import load_latest, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.coupling import VersionBarrier
@@ -39,8 +42,22 @@ from trainer.metrics import MetricsSink
 
 log = logging.getLogger(__name__)
 
-TRAINED_LOG = "trained_groups.jsonl"
 CHECKPOINTS = "checkpoints"
+
+
+def trained_batches(bus: Bus, names: TopicNames, policy: str, timeout_s: float = 30.0) -> list[TrainedBatch]:
+    """What ``policy``'s trainer trained, step by step: the newest :class:`TrainedBatch` per version on
+    ``names.trained``, sorted by version (a step redone after a restart counts once, as retrained).
+
+    Raises:
+        topics.bus.BusError: the topic does not exist, or was not read within ``timeout_s`` seconds.
+    """
+    follower = LatestByKey(bus, names.trained, TrainedBatch, client_id=f"trained-{policy}")
+    try:
+        latest = follower.read_to_end(timeout_s)
+    finally:
+        follower.close()
+    return sorted((b for b in latest.values() if b.policy == policy), key=lambda b: b.version)
 
 
 @dataclass
@@ -96,6 +113,7 @@ class TrainerService:
         for topic in (self.names.samples(policy), self.names.metrics, self.names.deadletter):
             admin.create_topic(topic, partitions=4)
         admin.create_topic(self.names.control, partitions=1, compacted=True)
+        admin.create_topic(self.names.trained, partitions=1, compacted=True)
         self.producer = self.bus.producer()
         self.consumer = self.bus.consumer(self.names.trainer_group(policy), client_id=f"trainer.{policy}.{os.getpid()}",
                                           instance_id=f"trainer.{policy}")
@@ -109,7 +127,7 @@ class TrainerService:
                                    console=cfg.console, jsonl_path=self.run_dir / "metrics.jsonl",
                                    tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
         self.barrier = VersionBarrier(self.bus, self.names, cfg.barrier_peers) if cfg.barrier_peers else None
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[TrainedBatch] = []  # steps since the last checkpoint
         self._committed: dict = {}
         self._unassigned_logged = time.monotonic()
         self._store_logged = 0.0
@@ -118,37 +136,32 @@ class TrainerService:
         self._progress_ts = 0.0
         self._resume()
 
-    @property
-    def trained_log(self) -> Path:
-        return self.run_dir / TRAINED_LOG
-
     def _resume(self) -> None:
         ckpt = load_latest(self.run_dir / CHECKPOINTS)
-        log_bytes = 0
         if ckpt is not None:
             self.trainer.restore(ckpt)
             self.serving.load_state_dict(ckpt.serving, ckpt.offsets)
             self._committed = self.serving.offsets_to_commit()
             if self.replay is not None and "replay" in ckpt.policies:
                 self.replay.load_state_dict(ckpt.policies["replay"])
-            log_bytes = int(ckpt.extra.get("trained_log_bytes", 0))
-        with open(self.trained_log, "a+b") as f:  # drop steps trained after the checkpoint
-            f.truncate(log_bytes)
 
     def checkpoint(self) -> Path:
-        """Log the trained group ids, write the checkpoint atomically, then commit the offsets."""
-        with open(self.trained_log, "ab") as f:
-            for entry in self._pending:
-                f.write((json.dumps(entry) + "\n").encode())
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
+        """Send the trained batches to ``trained`` (acknowledged), write the checkpoint atomically, then
+        commit the offsets.
+
+        Raises:
+            topics.bus.BusError: the bus failed for longer than the patience (nothing was committed).
+        """
+        for batch in self._pending:
+            self.producer.send(self.names.trained, encode(batch), key=f"{batch.policy}/{batch.version}",
+                               headers=headers_for(batch))
+        patiently(f"trainer.{self.config.trainer.policy}: trained batches", self.producer.flush, log=log)
         offsets = self.serving.offsets_to_commit()
         path = save_checkpoint(
             self.run_dir / CHECKPOINTS, version=self.trainer.version, model=self.trainer.model,
             optimizer=self.trainer.optimizer, offsets=offsets, serving=self.serving.state_dict(),
             policies={"replay": self.replay.state_dict()} if self.replay is not None else {},
-            extra={"trained_log_bytes": size}, keep=self.config.keep_checkpoints)
+            keep=self.config.keep_checkpoints)
         self._pending.clear()
         self.serving.commit(offsets)
         self._committed = offsets
@@ -207,9 +220,9 @@ class TrainerService:
                                duplicates=batch.duplicates, rejected=batch.rejected,
                                dropped_stale_total=self.serving.total_dropped_stale)
                 self.metrics.emit(self.trainer.version, metrics)
-                self._pending.append({"version": self.trainer.version,
-                                      "group_ids": [g.group_id for g in fresh],
-                                      "replayed_ids": [g.group_id for g in batch.groups[len(fresh):]]})
+                self._pending.append(TrainedBatch(policy=self.config.trainer.policy, version=self.trainer.version,
+                                                  group_ids=[g.group_id for g in fresh],
+                                                  replayed_ids=[g.group_id for g in batch.groups[len(fresh):]]))
                 steps_run += 1
                 if self.trainer.version % cfg.checkpoint_every == 0:
                     self.checkpoint()

@@ -16,14 +16,11 @@ then the sha256 of the resulting parameters) before the local copy moves to
 it; a failed step leaves the copy at the last verified version. A corrupt
 object is fetched once more, then excluded and the plan is recomputed, which
 falls back to a full snapshot. The engine only ever gets verified weights:
-through ``on_update(state, version)`` (in memory, e.g. ``model.load_state_dict``)
-or :meth:`Puller.to_safetensors_dir` (for SGLang's ``update_weights_from_disk``).
+through ``on_update(state, version)`` (in memory, e.g. ``model.load_state_dict``).
 """
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -33,8 +30,8 @@ from typing import Callable
 import torch
 from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from topics.bus import Bus, TopicPartition
-from topics.codec import MessageError, decode
+from topics.bus import Bus
+from topics.follow import Follower
 from topics.names import TopicNames
 from topics.schemas import WeightAnnouncement
 from weights.codec import PREFIX_BYTES, WeightFormatError, apply_delta, load_full, read_prefix
@@ -62,8 +59,8 @@ class Puller:
 
     Args:
         store: the weight store.
-        bus: announcements are read from ``names.weights`` (partition 0, from
-            the beginning, no consumer group); ``None``: only :meth:`sync` with
+        bus: announcements are read from ``names.weights`` (a :class:`~topics.follow.Follower`:
+            from the beginning, no consumer group); ``None``: only :meth:`sync` with
             an explicit target.
         names, policy: which stream to follow.
         state, version, sha256: the initial local weights (contiguous CPU
@@ -73,6 +70,11 @@ class Puller:
         on_update: called as ``on_update(state, version)`` after each
             successful :meth:`sync` that changed the version.
         attempts: download attempts per object (exponential back-off between).
+        backoff_s: the first back-off, in seconds.
+
+    Raises:
+        ValueError: only one of ``state`` and ``version`` is given.
+        topics.bus.BusError: the ``weights`` topic does not exist, or the bus failed.
     """
 
     def __init__(self, store: WeightStore, bus: Bus | None, names: TopicNames, policy: str, *,
@@ -88,12 +90,8 @@ class Puller:
         self._bases: dict[int, int] = {}
         self._bad: set[str] = set()
         self._durable: tuple[int, float, int | None] | None = None  # (newest announced, when, answer)
-        self._consumer = None
-        if bus is not None:
-            self._consumer = bus.consumer(None, client_id=f"puller-{policy}")
-            tp = TopicPartition(names.weights, 0)
-            self._consumer.assign([tp])
-            self._consumer.seek_to_beginning([tp])
+        self._announcements = (Follower(bus, names.weights, WeightAnnouncement, client_id=f"puller-{policy}")
+                               if bus is not None else None)
 
     @property
     def newest(self) -> int | None:
@@ -129,26 +127,23 @@ class Puller:
         return durable
 
     def poll(self, timeout_s: float = 0.0) -> int | None:
-        """Read new announcements for this policy; returns :attr:`newest`.
+        """Read new announcements for this policy, waiting up to ``timeout_s`` seconds for the first;
+        returns :attr:`newest`. Malformed announcements are logged and skipped.
 
-        Malformed announcements are logged and skipped.
+        Raises:
+            topics.bus.BusError: the bus failed.
         """
-        if self._consumer is None:
+        if self._announcements is None:
             return self.newest
-        for rec in self._consumer.poll(timeout_s=timeout_s):
-            try:
-                ann = decode(rec.value, WeightAnnouncement, topic=rec.topic, partition=rec.partition, offset=rec.offset)
-            except MessageError as e:
-                log.warning("puller %s: skipping bad announcement: %s", self.policy, e)
-                continue
+        for _, ann in self._announcements.poll(timeout_s):
             if ann.policy == self.policy:
                 self.announced[ann.version] = ann
         return self.newest
 
     def close(self) -> None:
         """Stop following announcements."""
-        if self._consumer is not None:
-            self._consumer.close()
+        if self._announcements is not None:
+            self._announcements.close()
 
     # ---- planning ----------------------------------------------------------------------
 
@@ -268,26 +263,3 @@ class Puller:
         if self.on_update is not None:
             self.on_update(self.state, self.version)
         return True
-
-    def to_safetensors_dir(self, path: str | Path, copy_from: str | Path | None = None) -> Path:
-        """Write the verified local weights as ``<path>/model.safetensors`` (atomically, by rename).
-
-        For SGLang's ``update_weights_from_disk``: ``copy_from`` names a model
-        directory whose ``*.json`` files (config, tokenizer) are copied too.
-
-        Raises:
-            WeightsUnavailable: there are no local weights yet.
-        """
-        from safetensors.torch import save_file
-
-        if self.state is None:
-            raise WeightsUnavailable(f"policy {self.policy!r}: no weights pulled yet")
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        if copy_from is not None:
-            for f in Path(copy_from).glob("*.json"):
-                shutil.copy2(f, out / f.name)
-        tmp = out / ".model.safetensors.tmp"
-        save_file(self.state, str(tmp), metadata={"version": str(self.version), "sha256": self.sha256 or ""})
-        os.replace(tmp, out / "model.safetensors")
-        return out

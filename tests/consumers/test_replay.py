@@ -7,11 +7,14 @@ import sys
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from consumers.replay import TrainedLogError, read_trained_log, recorded_checksums
+from consumers.replay import ReplayError, read_groups, recorded_checksums
 from topics.bus import connect
+from topics.codec import encode, headers_for
 from topics.names import TopicNames
+from topics.schemas import Sample, TrajectoryGroup
 from weights.store import WeightStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,19 +33,6 @@ def last_json(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_trained_log_errors_name_the_line(tmp_path):
-    log = tmp_path / "trained_groups.jsonl"
-    log.write_text('{"version": 1, "group_ids": ["a", "b"], "replayed_ids": ["c"]}\n'
-                   '{"version": 3, "group_ids": ["d"]}\n')
-    with pytest.raises(TrainedLogError, match="line 2: version 3, expected 2"):
-        read_trained_log(log)
-    log.write_text('{"version": 1, "group_ids": ["a", "b"], "replayed_ids": ["c"]}\nnot json\n')
-    with pytest.raises(TrainedLogError, match="line 2: not a"):
-        read_trained_log(log)
-    log.write_text('{"version": 1, "group_ids": ["a", "b"], "replayed_ids": ["c"]}\n')
-    assert [s.group_ids for s in read_trained_log(log)] == [("a", "b", "c")]
-
-
 def test_bad_input_exits_2(tmp_path):
     from typer.testing import CliRunner
 
@@ -51,10 +41,43 @@ def test_bad_input_exits_2(tmp_path):
     args = ["replay", str(ROOT / "examples/arith-tiny.yaml"), f"run_dir={tmp_path}"]
     out = CliRunner().invoke(app, [*args, "--policy", "critic"])
     assert out.exit_code == 2 and "unknown policy 'critic'" in out.output
-    out = CliRunner().invoke(app, [*args, "--policy", "actor", "--trained-log", str(tmp_path / "nope.jsonl")])
-    assert out.exit_code == 2 and "does not exist" in out.output
     out = CliRunner().invoke(app, [*args, "--policy", "actor", "--threads", "0"])
     assert out.exit_code == 2 and "--threads must be >= 1" in out.output
+
+
+def _group(gid: str, reward: float = 1.0) -> TrajectoryGroup:
+    sample = Sample(input_ids=np.array([1, 5, 6], np.int32), loss_mask=np.array([0, 1, 1], np.uint8),
+                    behavior_logprobs=np.array([0, -1, -1], np.float32), versions=np.array([-1, 0, 0], np.int32),
+                    reward=reward)
+    return TrajectoryGroup.build(samples=[sample], prompt_id=f"p-{gid}", group_id=gid, policy="actor")
+
+
+def test_read_groups_reads_a_transactional_topic_to_its_end_and_commits_what_it_read(bus_url):
+    # samples.<policy> is written in transactions (the filter processor): on Kafka each ends in a commit
+    # marker the reader never receives; the read still ends, with every committed group and none aborted.
+    bus, names = connect(bus_url), TopicNames(f"rg{uuid.uuid4().hex[:8]}")
+    topic = names.samples("actor")
+    bus.admin().create_topic(topic, partitions=2)
+    producer = bus.producer(transactional_id=f"{names.run}.filter.actor.0")
+    try:
+        for gids, commit in ((["a", "b"], True), (["x"], False), (["c", "a"], True)):
+            producer.begin_transaction()
+            for i, gid in enumerate(gids):
+                g = _group(gid, reward=float(commit and i == 1))  # the second "a" differs from the first
+                producer.send(topic, encode(g), key=g.prompt_id, headers=headers_for(g))
+            producer.send(topic, b"not a group", key=b"junk")
+            producer.flush()
+            producer.commit_transaction() if commit else producer.abort_transaction()
+    finally:
+        producer.close()
+    group = f"replay.actor.{uuid.uuid4().hex[:8]}"
+    found = read_groups(bus, topic, group, {"a", "c"}, timeout_s=60)
+    assert sorted(found) == ["a", "c"] and found["a"].samples[0].reward == 0.0  # the first "a" is kept
+    committed = bus.admin().group_offsets(group, topic)
+    ends = bus.admin().end_offsets(topic)
+    assert sum(o or 0 for o in committed.values()) >= 6 and all((committed[p] or 0) <= e for p, e in ends.items())
+    with pytest.raises(ReplayError, match="1 of 2 logged groups"):
+        read_groups(bus, topic, group, {"a", "x"}, timeout_s=60)
 
 
 @pytest.mark.slow
@@ -83,8 +106,8 @@ def test_replay_reproduces_every_version_bit_for_bit(tmp_path, bus_url):
     assert all((replayed_upto[p] or 0) <= e for p, e in ends.items())
     # The replayed weights were published as a new run, every version with the original's sha256.
     store = tmp_path.joinpath("weights").as_uri()
-    original = recorded_checksums(bus, names, "actor", WeightStore(store, run), versions=6)
-    published = recorded_checksums(bus, TopicNames(copy), "actor", None, versions=6)
+    original = recorded_checksums(bus, names, "actor", WeightStore(store, run))
+    published = recorded_checksums(bus, TopicNames(copy), "actor", None)
     assert sorted(published) == [1, 2, 3, 4, 5, 6] and len(original) == s["matched"]
     assert all(published[v] == sha for v, sha in original.items())
     assert sorted(WeightStore(store, copy).versions("actor")) == [1, 2, 3, 4, 5, 6]

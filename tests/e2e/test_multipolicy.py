@@ -231,7 +231,7 @@ def test_plan_execute_critique_run_completes(tmp_path):
 def assert_exactly_once(tmp_path: Path, summary: dict, bus_url: str, workflow: str = "solve_verify_retry") -> None:
     """Per policy: each version trained once, no group trained twice, no committed prompt without its group."""
     for policy, steps in summary["versions"].items():
-        audit = audit_run(connect(bus_url), TopicNames(summary["run"]), tmp_path / summary["run"], policy, workflow)
+        audit = audit_run(connect(bus_url), TopicNames(summary["run"]), policy, workflow)
         assert audit.versions == list(range(1, steps + 1)), (policy, audit.versions)
         assert not audit.trained_twice and not audit.lost, (policy, audit.trained_twice[:3], audit.lost[:3])
         assert audit.committed_prompts > 0, policy

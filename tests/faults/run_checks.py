@@ -28,8 +28,7 @@ def assert_exactly_once(run: str, run_dir: Path, steps: int, bus_url: str | None
     """Versions 1..``steps`` were each trained once, no group was trained twice, and every prompt the RaaS
     group committed has its group (:func:`astraflow.audit.audit_run`; ``bus_url`` defaults to the run's
     embedded bus)."""
-    audit = audit_run(connect(bus_url or f"local://{run_dir / 'bus'}"), TopicNames(run), run_dir, "actor",
-                      "single_turn")
+    audit = audit_run(connect(bus_url or f"local://{run_dir / 'bus'}"), TopicNames(run), "actor", "single_turn")
     assert audit.versions == list(range(1, steps + 1)), audit.versions
     assert not audit.trained_twice, f"groups trained twice: {audit.trained_twice[:5]}"
     assert audit.committed_prompts > 0 and not audit.lost, f"committed prompts without a group: {audit.lost[:5]}"

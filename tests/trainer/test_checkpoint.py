@@ -24,10 +24,10 @@ def test_round_trip_prune_and_crash(tiny_model_dir, make_group, tmp_path, monkey
     t.train_step([make_group([1.0, 0.0], gen_len=2)])
     offsets = {TopicPartition("r.samples.p", 0): 5, TopicPartition("r.samples.p", 1): 2}
     save_checkpoint(root, version=t.version, model=t.model, optimizer=t.optimizer, offsets=offsets,
-                    serving={"served_ids": ["a"]}, policies={"replay": {"pool": [b"x"]}}, extra={"n": 1}, keep=1)
+                    serving={"served_ids": ["a"]}, policies={"replay": {"pool": [b"x"]}}, keep=1)
     ck = load_latest(root)
-    assert (ck.version, ck.offsets, ck.serving, ck.policies, ck.extra) == (
-        1, offsets, {"served_ids": ["a"]}, {"replay": {"pool": [b"x"]}}, {"n": 1})
+    assert (ck.version, ck.offsets, ck.serving, ck.policies) == (
+        1, offsets, {"served_ids": ["a"]}, {"replay": {"pool": [b"x"]}})
 
     t2 = Trainer(TrainerConfig(lr=1e-3, param_dtype="float32"), tiny_model_dir)
     t2.restore(ck)

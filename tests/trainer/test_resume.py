@@ -23,7 +23,7 @@ from trainer.checkpoint import load_latest
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 from trainer.model import load_causal_lm
-from trainer.service import CHECKPOINTS
+from trainer.service import CHECKPOINTS, trained_batches
 from weights.codec import state_sha256
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,10 +95,10 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     run_dir = run_dir / "trainer.pol"
-    entries = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
+    entries = trained_batches(bus, names, "pol")
     assert summary["version"] == 10, (summary, entries, killed_at, err[-2000:])
-    assert [e["version"] for e in entries] == list(range(1, 11))
-    trained = [gid for e in entries for gid in e["group_ids"]]
+    assert [e.version for e in entries] == list(range(1, 11))
+    trained = [gid for e in entries for gid in e.group_ids]
     assert sorted(trained) == produced  # every produced group exactly once, none twice
     # The weights: an uninterrupted trainer fed the same batches in the same order (one thread, as the
     # subprocess) ends bit-for-bit where the killed-and-restarted one did.
@@ -107,7 +107,7 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
     try:
         reference = Trainer(TrainerConfig(policy="pol", **TRAINER), tiny_model_dir)
         for e in entries:
-            reference.train_step([first_copy[gid] for gid in e["group_ids"]])
+            reference.train_step([first_copy[gid] for gid in e.group_ids])
     finally:
         torch.set_num_threads(threads)
     ckpt = load_latest(run_dir / CHECKPOINTS)
