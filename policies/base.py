@@ -74,13 +74,13 @@ class Policy:
 class Curator(Policy):
     """Pre-rollout selection: sits between acquisition and ``prompts``.
 
-    ``version`` arguments are weight versions (ints, the trainer's step count).
+    A curator learns the weight version from :meth:`on_version` (ints, the trainer's step count).
     """
 
     kind: ClassVar[str] = "curator"
 
-    def should_submit(self, prompt: Prompt, version: int) -> bool:
-        """Whether ``prompt`` should be rolled out now, at weight ``version``."""
+    def should_submit(self, prompt: Prompt) -> bool:
+        """Whether ``prompt`` should be rolled out now (at the newest version :meth:`on_version` gave)."""
         raise NotImplementedError
 
     def update(self, outcome: RolloutOutcome) -> None:

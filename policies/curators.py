@@ -48,7 +48,7 @@ class FilterSolved(Curator):
         self.success_reward = float(success_reward)
         self.ewma: dict[str, float] = {}
 
-    def should_submit(self, prompt: Prompt, version: int) -> bool:
+    def should_submit(self, prompt: Prompt) -> bool:
         ewma = self.ewma.get(prompt.prompt_id)
         return ewma is None or ewma < self.threshold
 
@@ -129,7 +129,7 @@ class Greso(Curator):
             return 1.0
         return max((self.p_easy if easy else self.p_hard) ** z, self.floor)
 
-    def should_submit(self, prompt: Prompt, version: int) -> bool:
+    def should_submit(self, prompt: Prompt) -> bool:
         p = self.submit_probability(prompt.prompt_id)
         return p >= 1.0 or bool(self.rng.random() < p)
 

@@ -20,7 +20,7 @@ from topics.schemas import Prompt, TrajectoryGroup
 class AcceptAll(Curator, Filter):
     """Keep every group and submit every prompt (the identity policy)."""
 
-    def should_submit(self, prompt: Prompt, version: int) -> bool:
+    def should_submit(self, prompt: Prompt) -> bool:
         return True
 
     def keep(self, group: TrajectoryGroup) -> Decision:

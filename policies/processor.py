@@ -307,7 +307,7 @@ class CuratorGate:
             whether the prompt was sent (queued; see :meth:`flush`).
         """
         self.pump()
-        refusal = next((c for c in self.curators if not c.should_submit(prompt, self.version)), None)
+        refusal = next((c for c in self.curators if not c.should_submit(prompt)), None)
         if refusal is None:
             self.producer.send(self.names.prompts, encode(prompt), key=prompt.prompt_id, headers=headers_for(prompt))
             self.pending["submitted"] += 1

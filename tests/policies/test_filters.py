@@ -33,4 +33,4 @@ def test_filter_format():
 
 def test_accept_all_is_filter_and_curator():
     a = AcceptAll()
-    assert a.keep(make_group([1, 1])).keep and a.should_submit(make_prompt("x"), 3)
+    assert a.keep(make_group([1, 1])).keep and a.should_submit(make_prompt("x"))

@@ -25,9 +25,9 @@ def test_submit_rate_matches_probability():
     g.update(make_outcome("e", [1, 1]))
     g.update(make_outcome("e", [1, 1]))  # z=2 -> 0.25
     prompt = make_prompt("e")
-    rate = sum(g.should_submit(prompt, 0) for _ in range(4000)) / 4000
+    rate = sum(g.should_submit(prompt) for _ in range(4000)) / 4000
     assert rate == pytest.approx(0.25, abs=0.03)
-    assert all(g.should_submit(make_prompt("unseen"), 0) for _ in range(50))
+    assert all(g.should_submit(make_prompt("unseen")) for _ in range(50))
 
 
 def test_p_adapts_toward_targets_across_versions():
@@ -63,17 +63,17 @@ def test_greso_state_round_trip():
     b = Greso(seed=99)
     b.load_state_dict(a.state_dict())
     assert b.submit_probability("x") == a.submit_probability("x")
-    assert [b.should_submit(make_prompt("x"), 1) for _ in range(20)] == \
-           [a.should_submit(make_prompt("x"), 1) for _ in range(20)]
+    assert [b.should_submit(make_prompt("x")) for _ in range(20)] == \
+           [a.should_submit(make_prompt("x")) for _ in range(20)]
 
 
 def test_filter_solved_ewma():
     c = FilterSolved(alpha=0.5, threshold=0.75)
     p = make_prompt("q")
-    assert c.should_submit(p, 0)
+    assert c.should_submit(p)
     c.update(make_outcome("q", [1, 0]))  # 0.5
-    assert c.should_submit(p, 0)
+    assert c.should_submit(p)
     c.update(make_outcome("q", [1, 1]))  # 0.75
-    assert c.ewma["q"] == pytest.approx(0.75) and not c.should_submit(p, 0)
+    assert c.ewma["q"] == pytest.approx(0.75) and not c.should_submit(p)
     c.update(make_outcome("q", [0, 0]))  # 0.375
-    assert c.should_submit(p, 0)
+    assert c.should_submit(p)
