@@ -11,7 +11,8 @@ The reward of a prompt is ``prompt.metadata["reward"]`` when set, else its
   hang on adversarial input) scores 0.0 and its worker process is replaced;
 - ``code``: 1.0 when the program (prompt prefix, completion's code, tests)
   exits 0 in :mod:`producers.sandbox`, else 0.0; run in threads (each run is a
-  subprocess);
+  subprocess under bubblewrap); where the sandbox cannot run, scoring raises
+  :class:`~producers.sandbox.SandboxUnavailable` instead of scoring 0.0;
 - ``boxed_format``: 1.0 when the completion has a ``\\boxed{...}`` answer.
 
 New rewards are registered with :func:`register_reward`. Every reward returns a
@@ -31,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
-from producers.sandbox import SandboxLimits, run_python
+from producers.sandbox import SandboxLimits, SandboxUnavailable, run_python
 from topics.schemas import Prompt
 
 RewardFn = Callable[[Prompt, str], float]
@@ -181,7 +182,12 @@ CODE_LIMITS = SandboxLimits()
 
 @register_reward("code", mode="thread")
 def code_reward(prompt: Prompt, completion: str) -> float:
-    """1.0 when the completion passes the prompt's tests in the sandbox (:data:`CODE_LIMITS`), else 0.0."""
+    """1.0 when the completion passes the prompt's tests in the sandbox (:data:`CODE_LIMITS`), else 0.0.
+
+    Raises:
+        SandboxUnavailable: the sandbox cannot run here (bubblewrap missing, see
+            :mod:`producers.sandbox`); :func:`score_pairs` lets it through rather than score 0.0.
+    """
     if not prompt.tests:
         return 0.0
     return float(run_python(build_program(prompt, completion), CODE_LIMITS).passed)
@@ -259,6 +265,8 @@ def score_pairs(pairs: Sequence[tuple[Prompt, str]], timeout_s: float = DEFAULT_
 
     Raises:
         RewardError: a prompt names an unregistered reward (checked before any work starts).
+        SandboxUnavailable: a reward needs the code sandbox and it cannot run here (the message
+            names the missing tool and how to install it); code is never scored unconfined.
     """
     specs = [reward_for(p) for p, _ in pairs]
     process_pool = thread_pool = None
@@ -273,6 +281,8 @@ def score_pairs(pairs: Sequence[tuple[Prompt, str]], timeout_s: float = DEFAULT_
         else:
             try:
                 futures.append(float(spec.fn(prompt, completion)))
+            except SandboxUnavailable:
+                raise
             except Exception:
                 futures.append(0.0)
     scores = []
@@ -280,6 +290,8 @@ def score_pairs(pairs: Sequence[tuple[Prompt, str]], timeout_s: float = DEFAULT_
         if isinstance(fut, Future):
             try:
                 value = float(fut.result())
+            except SandboxUnavailable:  # a host problem, not the completion's: refuse loudly
+                raise
             except Exception:  # timeout, crashed worker or an error in the reward: no credit
                 value = 0.0
         else:

@@ -1,7 +1,7 @@
 """The code sandbox: runaway, memory-hungry, networked and escaping programs are stopped or refused."""
-import socket
 import threading
 
+from listener import listener
 from producers import rewards
 from producers.sandbox import VIOLATION_EXIT, SandboxLimits, run_python
 from topics.schemas import Prompt
@@ -41,25 +41,13 @@ def test_allocating_10_gb_is_refused_and_scores_zero():
 
 def test_opening_a_socket_is_refused_and_scores_zero():
     # A listener in this process: if the sandbox could reach it, accept() would see a connection.
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    server.settimeout(0.5)
-    port = server.getsockname()[1]
-    code = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', %d), timeout=2).sendall(b'x')\n"
-            "except Exception as e:\n    print('caught', e)\nprint('still here')\n" % port)
-    r = run_python(code, FAST)
+    with listener() as (port, reached):
+        code = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', %d), timeout=2).sendall(b'x')\n"
+                "except Exception as e:\n    print('caught', e)\nprint('still here')\n" % port)
+        r = run_python(code, FAST)
     assert not r.passed and r.returncode == VIOLATION_EXIT and "still here" not in r.stdout
     assert "sandbox violation" in r.error
-    try:
-        conn, _ = server.accept()
-        conn.close()
-        reached = True
-    except socket.timeout:
-        reached = False
-    finally:
-        server.close()
-    assert not reached
+    assert reached == [False]
     assert rewards.score(code_prompt(), code) == 0.0
 
 
