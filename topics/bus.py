@@ -199,6 +199,16 @@ class Consumer(abc.ABC):
         """Per assigned partition: end offset - committed offset (records)."""
 
     @abc.abstractmethod
+    def position(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:
+        """Per assigned partition, the offset of the next record this consumer will read (None while
+        unknown). Past what :meth:`poll` returned, it also counts offsets a ``read_committed`` reader
+        never receives (Kafka's transaction markers, aborted records).
+
+        Raises:
+            BusError: the bus failed.
+        """
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Leave the group (a rebalance follows) without committing."""
 

@@ -7,15 +7,15 @@
 
 Nothing is committed, so every reader sees the whole topic (what retention and compaction left of it).
 
-The end of a partition: a partition is read to its end once the next offset to read reaches the end offset.
-On Kafka, a ``read_committed`` reader of a transactionally written topic (``samples.<policy>``,
-``metrics``, ``deadletter``) never receives the commit and abort markers, nor an aborted transaction's
-records, though they take offsets: a partition ending in a marker stays short of its end offset for good.
-So once the reader has received a record (the broker is serving it), ``idle_s`` seconds without a new
-record also end the read: whatever is left below the end offsets is taken to be markers and aborted
-records. A reader that has received nothing yet waits for its deadline instead, so a slow first fetch
-is not mistaken for an empty topic. The price: a broker that stops serving a reader that has received
-records also ends the read after ``idle_s`` seconds, with the records read so far, rather than with an error.
+The end of a partition: a partition is read to its end once the consumer's position
+(:meth:`topics.bus.Consumer.position`) reaches the end offset. On Kafka, a ``read_committed`` reader of a
+transactionally written topic (``samples.<policy>``, ``metrics``, ``deadletter``) never receives the
+commit and abort markers, nor an aborted transaction's records, though they take offsets; the position
+counts them, the offsets of the records returned do not. As a last resort (a position that does not
+move past them), once the reader has received a record, ``idle_s`` seconds without a new record and
+without a moving position also end the read, with a warning naming what was left. A reader that has
+received nothing yet waits for its deadline instead, so a slow first fetch is not mistaken for an
+empty topic.
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
 
-#: Seconds without a new record after which a reader that has received records takes a partition still
-#: short of its end offset to end in transaction markers or aborted records (module docstring).
-IDLE_S = 1.0
+#: Seconds without a new record or a moving position after which a reader that has received records takes
+#: a partition still short of its end offset to end in transaction markers or aborted records (module docstring).
+IDLE_S = 5.0
 
 
 class TopicReader:
@@ -80,9 +80,9 @@ class TopicReader:
     def read_to_end(self, timeout_s: float = 30.0, idle_s: float = IDLE_S) -> tuple[list[Record], dict[int, int]]:
         """Poll until every record written before this call has been read.
 
-        A partition is done when its next offset reaches the end offset taken at the start of the call; when
-        this reader has received records, ``idle_s`` seconds without a new one also end the read (the rest is
-        transaction markers and aborted records: module docstring).
+        A partition is done when the consumer's position reaches the end offset taken at the start of the
+        call; when this reader has received records, ``idle_s`` seconds without a new one or a moving position
+        also end the read (module docstring).
 
         Returns:
             ``(records, ends)``: the records read by this call, in arrival order (each partition's in
@@ -95,13 +95,22 @@ class TopicReader:
         ends = {p: end for p, end in self._admin.end_offsets(self.topic).items() if p in self.positions}
         out: list[Record] = []
         deadline = time.monotonic() + timeout_s
-        last = time.monotonic()
-        while any(self.positions[p] < end for p, end in ends.items()):
+        last, seen = time.monotonic(), None
+        while True:
+            short = [TopicPartition(self.topic, p) for p, end in ends.items() if self.positions[p] < end]
+            if not short:
+                break
+            at = self._consumer.position(short)
+            short = [tp for tp in short if (at.get(tp) or 0) < ends[tp.partition]]
+            if not short:
+                break
             now = time.monotonic()
+            if at != seen:
+                last, seen = now, at
             if self._live and now - last >= idle_s:
-                short = {p: (self.positions[p], end) for p, end in ends.items() if self.positions[p] < end}
-                log.debug("%s: no record for %.1f s; taking partitions (next, end) %s to end in transaction "
-                          "markers or aborted records", self.topic, idle_s, short)
+                log.warning("%s: no record and no moving position for %.1f s; taking partitions (position, end) "
+                            "%s to end in transaction markers or aborted records", self.topic, idle_s,
+                            {tp.partition: (at.get(tp), ends[tp.partition]) for tp in short})
                 break
             if now > deadline:
                 raise BusError(f"{self.topic}: records up to {ends} did not arrive in {timeout_s} s "

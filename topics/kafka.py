@@ -333,6 +333,13 @@ class KafkaConsumer(Consumer):
             raise BusError(f"cannot read committed offsets of group {self.group}: {e}") from None
         return {TopicPartition(p.topic, p.partition): (p.offset if p.offset >= 0 else None) for p in result}
 
+    def position(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:
+        try:
+            result = self._c.position([_tp(tp) for tp in partitions])
+        except KafkaException as e:
+            raise BusError(f"cannot read the position of consumer {self.group}: {e}") from None
+        return {TopicPartition(p.topic, p.partition): (p.offset if p.offset >= 0 else None) for p in result}
+
     def pause(self, partitions: list[TopicPartition]) -> None:
         self._paused |= set(partitions)
         owned = [_tp(tp) for tp in partitions if tp in self._assigned]

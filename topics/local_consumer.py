@@ -279,6 +279,9 @@ class LocalConsumer(Consumer):
         nothing assigned yet, applies to the first assignment."""
         self._seek_many(partitions, "timestamp", timestamp_ms)
 
+    def position(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:
+        return {tp: (self._readers[tp].next_offset if tp in self._readers else None) for tp in partitions}
+
     def lag(self) -> dict[TopicPartition, int]:
         committed = self.committed(self.assignment())
         out = {}
