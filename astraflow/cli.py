@@ -45,7 +45,9 @@ def _admin(cfg):
 
 def _component_setup(name: str, cfg) -> threading.Event:
     """Logging for a component process, the run's topics (created if missing, so components can start
-    in any order on any machine), and a stop event set by SIGTERM / SIGINT."""
+    in any order on any machine), and a stop event set by SIGTERM / SIGINT, and also, in a component
+    that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launcher.watch_launcher`)."""
+    from astraflow.launcher import watch_launcher
     from topics.names import TopicNames
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
@@ -53,6 +55,7 @@ def _component_setup(name: str, cfg) -> threading.Event:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    watch_launcher(name, stop)
     return stop
 
 

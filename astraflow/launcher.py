@@ -80,6 +80,36 @@ def component_argv(command: str, config_path: Path, overrides: list[str], *extra
     return [sys.executable, "-m", "astraflow", command, str(config_path), *overrides, *extra]
 
 
+#: The environment variable through which a launched component learns its launcher's pid.
+LAUNCHER_PID_ENV = "ASTRAFLOW_LAUNCHER_PID"
+#: Seconds a component whose launcher died has to stop cleanly before it exits hard.
+ORPHAN_GRACE_S = 30.0
+
+
+def watch_launcher(name: str, stop: threading.Event, poll_s: float = 1.0) -> threading.Thread | None:
+    """In a component started by ``astraflow run`` (``$ASTRAFLOW_LAUNCHER_PID`` set), watch the launcher: once
+    this process's parent is no longer that pid (the launcher was killed, even by SIGKILL: components run in
+    their own sessions, so nothing else reaches them), log it, set ``stop`` and, if the component has not
+    exited ``ORPHAN_GRACE_S`` seconds later, exit with status 1. Returns the watching daemon thread, or None
+    outside a launched run."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher:
+        return None
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(poll_s)
+        print(f"{name}: the launcher (pid {launcher}) is gone: stopping, exiting in at most {ORPHAN_GRACE_S:.0f} s",
+              file=sys.stderr, flush=True)
+        stop.set()
+        time.sleep(ORPHAN_GRACE_S)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def policy_component(policy: str, instance: int) -> str:
     """The component name of filter processor ``instance`` of ``policy``: ``policy.<policy>`` for instance 0,
     ``policy.<policy>.<instance>`` for the others."""
@@ -191,7 +221,8 @@ class Launcher:
 
     def _start(self, comp: Component) -> None:
         comp.log.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   **{LAUNCHER_PID_ENV: str(os.getpid())})
         with open(comp.log, "ab") as log:
             comp.proc = subprocess.Popen(comp.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)

@@ -60,3 +60,43 @@ def test_a_run_that_does_not_reach_its_steps_exits_non_zero(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["complete"] is False and summary["versions"]["actor"] < 400, summary
     assert "run incomplete" in proc.stderr
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie that nobody reaped is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.slow
+def test_the_components_of_a_killed_launcher_stop(tmp_path):
+    # SIGKILL the launcher mid-run: its components (own sessions, so no signal reaches them) notice that
+    # their parent is gone, stop, and are all gone within the grace period; each log says why.
+    from astraflow.launcher import ORPHAN_GRACE_S
+
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "astraflow", "run", "examples/arith-tiny.yaml", f"run=orphan{uuid.uuid4().hex[:8]}",
+         f"run_dir={run_dir}"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    pids: dict[str, int] = {}
+    try:
+        wait_for_steps(launcher, run_dir, 2, time.monotonic() + 240)
+        pids = {n: e["pid"] for n, e in json.loads((run_dir / "components.json").read_text()).items()}
+        assert len(pids) == 4 and all(_running(p) for p in pids.values()), pids
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + ORPHAN_GRACE_S + 15
+        while any(_running(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = {n: p for n, p in pids.items() if _running(p)}
+    finally:
+        launcher.kill()
+        for p in pids.values():
+            if _running(p):
+                os.kill(p, signal.SIGKILL)
+    assert not left, left
+    for name in pids:
+        assert "the launcher (pid" in (run_dir / "logs" / f"{name}.log").read_text(), name
