@@ -37,7 +37,7 @@ def _admin(cfg):
     from topics.bus import BusError, connect
 
     try:
-        return connect(cfg.bus).admin()
+        return connect(cfg.bus, cfg.kafka).admin()
     except BusError as e:
         typer.echo(f"cannot use bus {cfg.bus}: {e}", err=True)
         raise typer.Exit(2)
@@ -144,8 +144,8 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         raise typer.Exit(2)
     stop = _component_setup(policy_component(policy, instance), cfg)
     filters = build_chain(cfg.policies[policy].filters, Filter)
-    FilterProcessor(connect(cfg.bus), cfg.run, policy, filters, instance=str(instance), max_records=fp.max_records,
-                    linger_s=fp.linger_s, metrics_interval_s=fp.metrics_interval_s,
+    FilterProcessor(connect(cfg.bus, cfg.kafka), cfg.run, policy, filters, instance=str(instance),
+                    max_records=fp.max_records, linger_s=fp.linger_s, metrics_interval_s=fp.metrics_interval_s,
                     session_timeout_s=fp.session_timeout_s).run(stop)
 
 
@@ -181,7 +181,7 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
                                 checkpoint_every=pc.checkpoint_every, console=False,
                                 barrier_peers={q: c.steps for q, c in cfg.policies.items() if q != policy}
                                 if cfg.coupling == "barrier" and len(cfg.policies) > 1 else None)
-    publisher = Publisher(WeightStore(cfg.store, cfg.run), connect(cfg.bus), TopicNames(cfg.run), policy,
+    publisher = Publisher(WeightStore(cfg.store, cfg.run), connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), policy,
                           keep_versions=pc.keep_versions, producer_id=f"trainer.{policy}")
     service = TrainerService(service_cfg, publisher=publisher, replay=replay)
     try:
@@ -262,7 +262,7 @@ def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 
     cfg = _load(config, overrides)
     _admin(cfg)
-    monitor = RunMonitor(connect(cfg.bus), TopicNames(cfg.run), list(cfg.policies), cfg.workflow.name)
+    monitor = RunMonitor(connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), list(cfg.policies), cfg.workflow.name)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         monitor.poll(0.5)
@@ -348,7 +348,7 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     try:
         if live:
             stop = _component_setup(f"eval.{policy}", cfg)
-            LiveEvaluator(connect(cfg.bus), cfg.store, cfg.run, policy, engine, prompts, **kwargs).run(stop)
+            LiveEvaluator(connect(cfg.bus, cfg.kafka), cfg.store, cfg.run, policy, engine, prompts, **kwargs).run(stop)
             return
         try:
             pull_newest(engine, cfg.store, cfg.run, policy)

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from topics.kafka_security import KafkaSecurity
 from trainer.config import TrainerConfig
 
 
@@ -130,6 +131,9 @@ class RunConfig(_Strict):
     run: str = Field(default="astraflow", pattern=r"^[A-Za-z0-9._-]+$")
     run_dir: Path | None = Field(default=None, description="default: runs/<run>")
     bus: str | None = Field(default=None, description="kafka://host:port or local://PATH")
+    kafka: KafkaSecurity = Field(default_factory=KafkaSecurity,
+                                 description="SASL and TLS of a kafka:// bus; unset fields come from the "
+                                             "ASTRAFLOW_KAFKA_<FIELD> environment variables")
     store: str | None = Field(default=None, description="file:///abs/dir or s3://bucket/prefix")
     seed: int = 0
     policies: dict[str, PolicyConfig] = Field(min_length=1)
@@ -145,6 +149,12 @@ class RunConfig(_Strict):
     watchdog_s: float = Field(default=120.0, gt=0, description="name what blocks a trainer whose version has not "
                                                                "moved for this many seconds (then again as often)")
 
+    @field_validator("kafka", mode="before")
+    @classmethod
+    def _kafka_with_environment(cls, value: Any) -> Any:
+        """A ``kafka:`` section from a file: what it leaves unset still comes from the environment."""
+        return KafkaSecurity(**value) if isinstance(value, dict) else value
+
     @model_validator(mode="after")
     def _defaults(self) -> "RunConfig":
         if self.run_dir is None:
@@ -154,6 +164,9 @@ class RunConfig(_Strict):
             self.bus = f"local://{self.run_dir / 'bus'}"
         if self.store is None:
             self.store = (self.run_dir / "weights").as_uri()
+        if "kafka" in self.model_fields_set and not self.bus.startswith("kafka://") and not self.kafka.is_default:
+            raise ValueError(f"kafka.security_protocol={self.kafka.security_protocol}: kafka settings apply to a "
+                             f"kafka:// bus, and bus is {self.bus}")
         unknown = set(self.workflow.roles.values()) - set(self.policies)
         if unknown:
             raise ValueError(f"workflow.roles names policies {sorted(unknown)} that are not in policies "

@@ -290,7 +290,7 @@ class Launcher:
         """
         cfg = self.cfg
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        bus = connect(cfg.bus)
+        bus = connect(cfg.bus, cfg.kafka)
         bus.admin().ensure_run_topics(self.names, list(cfg.policies))
         monitor = RunMonitor(bus, self.names, list(cfg.policies), cfg.workflow.name)
         t0 = time.monotonic()
@@ -412,7 +412,8 @@ class Launcher:
 
     def _trainer_versions(self) -> dict[str, int]:
         """Each trainer's last reported version (its :class:`TrainerProgress` on ``control``)."""
-        follower = LatestByKey(connect(self.cfg.bus), self.names.control, TrainerProgress, client_id="launcher")
+        follower = LatestByKey(connect(self.cfg.bus, self.cfg.kafka), self.names.control, TrainerProgress,
+                               client_id="launcher")
         try:
             latest = follower.read_to_end(timeout_s=30.0)
         except BusError as e:

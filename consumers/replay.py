@@ -293,7 +293,7 @@ def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None,
     pc = cfg.policies[policy]
     if publish_as == cfg.run:
         raise ValueError(f"--publish-as {publish_as!r} is the original run: give a new run name")
-    bus, names, group = connect(cfg.bus), TopicNames(cfg.run), replay_group(policy)
+    bus, names, group = connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), replay_group(policy)
     publisher = None
     if publish_as is not None:
         new_names = TopicNames(publish_as)

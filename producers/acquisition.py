@@ -319,7 +319,7 @@ def acquire_run(cfg: "RunConfig", stop: threading.Event | None = None) -> int:
     from topics.bus import connect
 
     stop = stop or threading.Event()
-    bus, names = connect(cfg.bus), TopicNames(cfg.run)
+    bus, names = connect(cfg.bus, cfg.kafka), TopicNames(cfg.run)
     state_dir = Path(cfg.run_dir) / "acquisition"
     gate = None
     if cfg.curators:

@@ -3,16 +3,25 @@
 # controller in one JVM) on 127.0.0.1, fetched from Maven Central with mvn.
 # No docker needed.
 #
-#   scripts/kafka-local.sh start|stop|status
+#   scripts/kafka-local.sh start|stop|status|secure-env
+#
+# The broker listens twice: PLAINTEXT on KAFKA_PORT, and SASL_SSL (SCRAM-SHA-512
+# over TLS) on KAFKA_PORT+2, with a CA and a broker certificate made here by
+# openssl and a user `astraflow` whose random password is kept in the state
+# directory (mode 600). `secure-env` prints the ASTRAFLOW_KAFKA_* variables
+# (and ASTRAFLOW_SECURE_BOOTSTRAP) that point AstraFlow at that listener:
+#   set -a; eval "$(scripts/kafka-local.sh secure-env)"; set +a
 #
 # Environment:
-#   KAFKA_PORT      broker port (default 9092); the controller uses KAFKA_PORT+1
+#   KAFKA_PORT      broker port (default 9092); the controller uses KAFKA_PORT+1,
+#                   the SASL_SSL listener KAFKA_PORT+2
 #   KAFKA_VERSION   Apache Kafka version (default 4.1.1)
 #   ASTRAFLOW_CACHE cache root (default ~/.cache/astraflow)
 set -euo pipefail
 
 PORT="${KAFKA_PORT:-9092}"
 CPORT=$((PORT + 1))
+SPORT=$((PORT + 2))
 VERSION="${KAFKA_VERSION:-4.1.1}"
 CACHE="${ASTRAFLOW_CACHE:-$HOME/.cache/astraflow}"
 HOME_DIR="$CACHE/kafka-$VERSION"
@@ -20,6 +29,7 @@ LIBS="$HOME_DIR/libs"
 STATE="$CACHE/kafka-state-$PORT"
 PIDFILE="$STATE/kafka.pid"
 LOG="$STATE/kafka.log"
+SECURE="$STATE/secure"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 log() { echo "[kafka-local] $*" >&2; }
@@ -32,6 +42,47 @@ fetch() {
   mvn -q -B -f "$HERE/kafka/pom.xml" -Dkafka.version="$VERSION" \
       dependency:copy-dependencies -DoutputDirectory="$LIBS" -DincludeScope=runtime
   touch "$LIBS/.complete"
+}
+
+# A CA, a broker certificate for 127.0.0.1/localhost signed by it (PKCS#12 for the broker, the CA as PEM
+# for clients) and the SCRAM user's password; made once per state directory.
+secure_material() {
+  if [ -f "$SECURE/.complete" ]; then return 0; fi
+  command -v openssl >/dev/null || { log "openssl not found: needed for the SASL_SSL listener's certificates"; exit 1; }
+  log "making a CA, a broker certificate and SCRAM credentials in $SECURE"
+  rm -rf "$SECURE"; mkdir -p "$SECURE"; chmod 700 "$SECURE"
+  (
+    cd "$SECURE"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=astraflow-local-ca" \
+        -keyout ca.key -out ca.pem 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout broker.key -out broker.csr 2>/dev/null
+    printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n' > san.ext
+    openssl x509 -req -in broker.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 3650 \
+        -extfile san.ext -out broker.pem 2>/dev/null
+    openssl rand -hex 16 > keystore.password
+    openssl pkcs12 -export -in broker.pem -inkey broker.key -name broker -out broker.p12 \
+        -passout "file:keystore.password"
+    openssl rand -hex 24 > astraflow.password
+    chmod 600 ./*
+  )
+  touch "$SECURE/.complete"
+}
+
+# SCRAM credentials live in the cluster metadata: (re)set them over the PLAINTEXT listener on every start.
+add_scram_user() {
+  java -cp "$LIBS/*" kafka.admin.ConfigCommand --bootstrap-server "127.0.0.1:$PORT" --alter \
+      --add-config "SCRAM-SHA-512=[password=$(cat "$SECURE/astraflow.password")]" \
+      --entity-type users --entity-name astraflow >/dev/null
+}
+
+secure_env() {
+  [ -f "$SECURE/.complete" ] || { log "no SASL_SSL material in $SECURE: start the broker first"; exit 1; }
+  echo "ASTRAFLOW_SECURE_BOOTSTRAP=127.0.0.1:$SPORT"
+  echo "ASTRAFLOW_KAFKA_SECURITY_PROTOCOL=SASL_SSL"
+  echo "ASTRAFLOW_KAFKA_SASL_MECHANISM=SCRAM-SHA-512"
+  echo "ASTRAFLOW_KAFKA_SASL_USERNAME=astraflow"
+  echo "ASTRAFLOW_KAFKA_SASL_PASSWORD=$(cat "$SECURE/astraflow.password")"
+  echo "ASTRAFLOW_KAFKA_SSL_CA_LOCATION=$SECURE/ca.pem"
 }
 
 running() {
@@ -48,15 +99,23 @@ start() {
   if running; then log "already running (pid $(cat "$PIDFILE")) on 127.0.0.1:$PORT"; return 0; fi
   fetch
   mkdir -p "$STATE"
+  secure_material
   local props="$STATE/server.properties"
+  ( umask 077; : > "$props" )  # it holds the keystore password
   cat > "$props" <<PROPS
 process.roles=broker,controller
 node.id=1
 controller.quorum.bootstrap.servers=127.0.0.1:$CPORT
-listeners=PLAINTEXT://127.0.0.1:$PORT,CONTROLLER://127.0.0.1:$CPORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$PORT
+listeners=PLAINTEXT://127.0.0.1:$PORT,CONTROLLER://127.0.0.1:$CPORT,SASL_SSL://127.0.0.1:$SPORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$PORT,SASL_SSL://127.0.0.1:$SPORT
 controller.listener.names=CONTROLLER
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_SSL:SASL_SSL
+sasl.enabled.mechanisms=SCRAM-SHA-512
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+ssl.keystore.type=PKCS12
+ssl.keystore.location=$SECURE/broker.p12
+ssl.keystore.password=$(cat "$SECURE/keystore.password")
 log.dirs=$STATE/data
 num.partitions=1
 offsets.topic.replication.factor=1
@@ -80,7 +139,11 @@ PROPS
   nohup java -Xms256m -Xmx1g -cp "$LIBS/*" kafka.Kafka "$props" >"$LOG" 2>&1 &
   echo $! > "$PIDFILE"
   for _ in $(seq 1 120); do
-    if ready; then log "ready on 127.0.0.1:$PORT"; return 0; fi
+    if ready; then
+      add_scram_user
+      log "ready on 127.0.0.1:$PORT (PLAINTEXT) and 127.0.0.1:$SPORT (SASL_SSL, SCRAM-SHA-512: $0 secure-env)"
+      return 0
+    fi
     if ! running; then log "broker died; last log lines:"; tail -n 30 "$LOG" >&2; exit 1; fi
     sleep 1
   done
@@ -106,5 +169,6 @@ case "${1:-}" in
   start) start ;;
   stop) stop ;;
   status) status ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  secure-env) secure_env ;;
+  *) echo "usage: $0 start|stop|status|secure-env" >&2; exit 2 ;;
 esac

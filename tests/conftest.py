@@ -5,7 +5,11 @@
 ``bus_url`` runs a test once per bus backend: the embedded ``local://`` bus in a
 temporary directory, and the real Kafka broker at ``$ASTRAFLOW_TEST_KAFKA``
 (default 127.0.0.1:9092; CI starts it with ``scripts/kafka-local.sh start``).
-A missing broker fails the Kafka tests: it is never skipped.
+A missing broker fails the Kafka tests: it is never skipped. A test parametrized
+indirectly with ``bus_url="kafka-sasl-ssl"`` runs against the same broker's SASL_SSL
+listener (SCRAM-SHA-512 over TLS), its credentials in the ``ASTRAFLOW_KAFKA_*``
+environment variables (``scripts/kafka-local.sh secure-env``), which the test's
+subprocesses inherit.
 """
 import os
 import socket
@@ -49,11 +53,31 @@ def kafka_url() -> str:
     return _require_kafka()
 
 
+def secure_kafka_env() -> dict[str, str]:
+    """The test broker's SASL_SSL listener: ``ASTRAFLOW_SECURE_BOOTSTRAP`` and the ``ASTRAFLOW_KAFKA_*``
+    settings, from ``scripts/kafka-local.sh secure-env`` for the broker at ``$ASTRAFLOW_TEST_KAFKA``."""
+    _require_kafka()
+    port = KAFKA.split(",")[0].rsplit(":", 1)[1]
+    done = subprocess.run(["bash", "scripts/kafka-local.sh", "secure-env"], cwd=Path(__file__).resolve().parents[1],
+                          env=dict(os.environ, KAFKA_PORT=port), capture_output=True, text=True)
+    if done.returncode:
+        pytest.fail(f"the test broker at {KAFKA} has no SASL_SSL listener made by scripts/kafka-local.sh "
+                    f"(restart it with that script): {done.stderr.strip()}")
+    return dict(line.split("=", 1) for line in done.stdout.splitlines())
+
+
 @pytest.fixture(params=["local", "kafka"])
 def bus_url(request, tmp_path) -> str:
-    """A bus URL per backend: ``local://<tmp>`` and ``kafka://<test broker>``."""
+    """A bus URL per backend: ``local://<tmp>`` and ``kafka://<test broker>``; indirectly also
+    ``kafka-sasl-ssl`` (the broker's SASL_SSL listener, credentials set in this process's environment)."""
     if request.param == "local":
         return f"local://{tmp_path / 'bus'}"
+    if request.param == "kafka-sasl-ssl":
+        env = secure_kafka_env()
+        monkeypatch = request.getfixturevalue("monkeypatch")
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        return f"kafka://{env['ASTRAFLOW_SECURE_BOOTSTRAP']}"
     return _require_kafka()
 
 

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Iterable, Mapping, NamedTuple
+
+if TYPE_CHECKING:
+    from topics.kafka_security import KafkaSecurity
 
 
 class TopicPartition(NamedTuple):
@@ -331,11 +334,17 @@ def read_topic(bus: Bus, topic: str, timeout_s: float = 30.0) -> list[Record]:
     return sorted((r for r in records if r.offset < ends[r.partition]), key=lambda r: (r.partition, r.offset))
 
 
-def connect(url: str) -> Bus:
+def connect(url: str, security: "KafkaSecurity | None" = None) -> Bus:
     """Open the bus at ``url``: ``kafka://host:port`` or ``local://PATH``.
 
+    Args:
+        url: the bus URL.
+        security: Kafka authentication and TLS (a run config's ``kafka`` section); None: from the
+            ``ASTRAFLOW_KAFKA_*`` environment variables (:mod:`topics.kafka_security`).
+
     Raises:
-        BusError: the scheme is unknown or the URL is malformed.
+        BusError: the scheme is unknown, the URL is malformed, or Kafka security settings are given for the
+            embedded bus (which has no network side to secure).
     """
     scheme, sep, rest = url.partition("://")
     if not sep or not rest:
@@ -343,7 +352,10 @@ def connect(url: str) -> Bus:
     if scheme == "kafka":
         from topics.kafka import KafkaBus
 
-        return KafkaBus(rest)
+        return KafkaBus(rest, security)
+    if security is not None and not security.is_default:
+        raise BusError(f"kafka security settings (kafka.security_protocol={security.security_protocol}) apply to "
+                       f"a kafka:// bus, not to {url}")
     if scheme == "local":
         from topics.local import LocalBus
 

@@ -45,6 +45,7 @@ from topics.bus import (
     offsets_after,
 )
 from topics.kafka_groups import GroupDescriber
+from topics.kafka_security import KafkaSecurity
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,13 @@ class _Reporter:
     def __init__(self, client: str, every_s: float = 30.0):
         self.client, self.every_s = client, every_s
         self._seen: dict[int, tuple[float, int]] = {}  # code -> (last logged, repeats since)
+        self.last: str | None = None  # the newest error's text, for the message of a failure it explains
+        self.quiet = False  # record only: the caller reports the failure itself
 
     def __call__(self, err: KafkaError) -> None:
+        self.last = err.str()
+        if self.quiet:
+            return
         now = time.monotonic()
         last, repeats = self._seen.get(err.code(), (None, 0))
         if last is not None and now - last < self.every_s:
@@ -104,11 +110,12 @@ def _check_result(what: str, result: Iterable[_TP]) -> None:
 
 
 class KafkaProducer(Producer):
-    """A confluent-kafka producer (idempotent, ``acks=all``); transactional with ``transactional_id``."""
+    """A confluent-kafka producer (idempotent, ``acks=all``); transactional with ``transactional_id``.
+    ``security``: librdkafka security properties (:meth:`topics.kafka_security.KafkaSecurity.librdkafka`)."""
 
-    def __init__(self, bootstrap: str, transactional_id: str | None = None):
+    def __init__(self, bootstrap: str, transactional_id: str | None = None, security: Mapping[str, str] = {}):
         conf = {
-            **_Reporter(f"producer {transactional_id or ''}".strip()).conf(),
+            **_Reporter(f"producer {transactional_id or ''}".strip()).conf(), **security,
             "bootstrap.servers": bootstrap,
             "acks": "all",
             "enable.idempotence": True,
@@ -197,14 +204,16 @@ class KafkaProducer(Producer):
 
 
 class KafkaConsumer(Consumer):
-    """A confluent-kafka consumer: manual commits, pending seeks applied on assignment."""
+    """A confluent-kafka consumer: manual commits, pending seeks applied on assignment. ``security``:
+    librdkafka security properties (:meth:`topics.kafka_security.KafkaSecurity.librdkafka`)."""
 
     def __init__(self, bootstrap: str, group: str | None, read_committed: bool = True,
-                 session_timeout_s: float = 10.0, client_id: str | None = None, instance_id: str | None = None):
+                 session_timeout_s: float = 10.0, client_id: str | None = None, instance_id: str | None = None,
+                 security: Mapping[str, str] = {}):
         self.group = group
         session_ms = int(session_timeout_s * 1000)
         static = {"group.instance.id": instance_id} if instance_id and group else {}
-        self._c = _Consumer({**static, **_Reporter(f"consumer {client_id or group or ''}".strip()).conf(),
+        self._c = _Consumer({**static, **_Reporter(f"consumer {client_id or group or ''}".strip()).conf(), **security,
             "bootstrap.servers": bootstrap,
             "group.id": group or f"astraflow-free-{uuid.uuid4().hex}",
             "client.id": client_id or f"astraflow-{uuid.uuid4().hex[:8]}",
@@ -396,12 +405,19 @@ class KafkaConsumer(Consumer):
 
 class KafkaAdmin(Admin):
     """Topic administration through confluent-kafka's AdminClient; group offsets and watermarks through
-    consumers; group membership through a helper process (:mod:`topics.kafka_groups`)."""
+    consumers; group membership through a helper process (:mod:`topics.kafka_groups`). ``security``:
+    librdkafka security properties (:meth:`topics.kafka_security.KafkaSecurity.librdkafka`).
 
-    def __init__(self, bootstrap: str, connect_timeout_s: float = 10.0):
+    Raises:
+        BusError: no broker answered within ``connect_timeout_s`` (unreachable, or refusing the credentials).
+    """
+
+    def __init__(self, bootstrap: str, connect_timeout_s: float = 10.0, security: Mapping[str, str] = {}):
         # an unreachable broker is reported once, by the BusError below, not by a librdkafka
         # "Connection refused" line per reconnect attempt on stderr
-        self._a = AdminClient({"bootstrap.servers": bootstrap, **_Reporter("admin").conf()})
+        self._client = {**security, "bootstrap.servers": bootstrap}
+        reporter = _Reporter("admin")
+        self._a = AdminClient({**self._client, **reporter.conf()})
         self._bootstrap = bootstrap
         self._watermark_reader: _Consumer | None = None
         self._offset_readers: dict[str, _Consumer] = {}  # group -> a consumer that only reads its offsets
@@ -409,8 +425,12 @@ class KafkaAdmin(Admin):
         try:
             self._a.list_topics(timeout=connect_timeout_s)
         except KafkaException as e:
-            raise BusError(f"cannot reach Kafka at {bootstrap} within {connect_timeout_s:.0f} s ({e}); "
-                           f"start a broker (scripts/kafka-local.sh start) or fix bus=") from None
+            reporter.quiet = True
+            self._a.poll(0)  # serves the error callback: an authentication or TLS failure says so there
+            why = reporter.last or e
+            raise BusError(f"cannot reach Kafka at {bootstrap} within {connect_timeout_s:.0f} s ({why}); "
+                           f"start a broker (scripts/kafka-local.sh start), fix bus=, or check the "
+                           f"kafka.* security settings (protocol {self._client.get('security.protocol', 'plaintext')})") from None
 
     def _metadata(self, topic: str | None = None, timeout_s: float = 10.0) -> dict:
         """Topic name -> metadata (of ``topic`` only, when given).
@@ -486,7 +506,7 @@ class KafkaAdmin(Admin):
         librdkafka assertion (``rd_kafka_enq_once_del_source_return``) that aborts the process.
         """
         if self._watermark_reader is None:
-            self._watermark_reader = _Consumer({"bootstrap.servers": self._bootstrap, **_Reporter("offsets").conf(),
+            self._watermark_reader = _Consumer({**self._client, **_Reporter("offsets").conf(),
                                                 "group.id": f"astraflow-offsets-{uuid.uuid4().hex}",
                                                 "enable.auto.commit": False})
         out = {}
@@ -510,7 +530,7 @@ class KafkaAdmin(Admin):
         # The consumer API's OffsetFetch, by a member of no group (it never subscribes), rather than the
         # AdminClient's request futures, which can crash the process across a broker outage.
         if group not in self._offset_readers:
-            self._offset_readers[group] = _Consumer({"bootstrap.servers": self._bootstrap, "group.id": group,
+            self._offset_readers[group] = _Consumer({**self._client, "group.id": group,
                                                      **_Reporter(f"offsets {group}").conf(),
                                                      "enable.auto.commit": False})
         try:
@@ -524,23 +544,31 @@ class KafkaAdmin(Admin):
         """Through a helper process (:mod:`topics.kafka_groups`): librdkafka's DescribeGroups can abort the
         process across a broker outage. Raises BusError when the cluster does not answer."""
         if self._describer is None:
-            self._describer = GroupDescriber(self._bootstrap)
+            self._describer = GroupDescriber(self._client)
         return self._describer.members(group)
 
 
 class KafkaBus(Bus):
-    """The bus on an Apache Kafka cluster at ``bootstrap`` (``host:port[,host:port]``)."""
+    """The bus on an Apache Kafka cluster at ``bootstrap`` (``host:port[,host:port]``), every client
+    authenticated and encrypted as ``security`` says (default: what the ``ASTRAFLOW_KAFKA_*`` environment
+    variables say, else plaintext without authentication).
 
-    def __init__(self, bootstrap: str):
+    Raises:
+        pydantic.ValidationError: ``security`` is None and the ``ASTRAFLOW_KAFKA_*`` variables are inconsistent.
+    """
+
+    def __init__(self, bootstrap: str, security: KafkaSecurity | None = None):
         self.bootstrap = bootstrap
         self.url = f"kafka://{bootstrap}"
+        self._security = (security or KafkaSecurity()).librdkafka()
 
     def producer(self, transactional_id: str | None = None) -> KafkaProducer:
-        return KafkaProducer(self.bootstrap, transactional_id)
+        return KafkaProducer(self.bootstrap, transactional_id, security=self._security)
 
     def consumer(self, group, *, read_committed=True, session_timeout_s=10.0, client_id=None,
                  instance_id=None) -> KafkaConsumer:
-        return KafkaConsumer(self.bootstrap, group, read_committed, session_timeout_s, client_id, instance_id)
+        return KafkaConsumer(self.bootstrap, group, read_committed, session_timeout_s, client_id, instance_id,
+                             security=self._security)
 
     def admin(self) -> KafkaAdmin:
-        return KafkaAdmin(self.bootstrap)
+        return KafkaAdmin(self.bootstrap, security=self._security)

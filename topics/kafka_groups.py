@@ -5,8 +5,9 @@ A DescribeGroups request in flight across a broker outage can trip a librdkafka 
 process: confluentinc/librdkafka#4605, reproduced here by a loop of describes while the broker was
 stopped and started, with and without a metadata request first and a client-side request timeout.
 The launcher and ``astraflow status`` must outlive a broker outage, so the request runs in a helper
-process (``python -m topics.kafka_groups BOOTSTRAP``, one JSON line per request on stdin and per answer
-on stdout); a helper that dies or does not answer costs one :class:`BusError` and is started afresh on
+process (``python -m topics.kafka_groups``: its client config as the first JSON line on stdin, never in
+its argv, where any user of the host could read a password; then one JSON line per request on stdin and
+per answer on stdout); a helper that dies or does not answer costs one :class:`BusError` and is started afresh on
 the next request. The helper exits when its parent closes its stdin (or dies).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import select
 import subprocess
 import sys
+from typing import Mapping
 
 from topics.bus import BusError, TopicPartition
 
@@ -23,14 +25,15 @@ ANSWER_TIMEOUT_S = 30.0
 
 
 class GroupDescriber:
-    """Describes consumer groups of the cluster at ``bootstrap`` through a helper process.
+    """Describes consumer groups of a cluster through a helper process.
 
     Args:
-        bootstrap: ``host:port[,host:port]`` of the cluster.
+        client: librdkafka properties of the cluster: ``bootstrap.servers`` and any security settings.
     """
 
-    def __init__(self, bootstrap: str):
-        self.bootstrap = bootstrap
+    def __init__(self, client: Mapping[str, str]):
+        self.client = dict(client)
+        self.bootstrap = self.client["bootstrap.servers"]
         self._proc: subprocess.Popen | None = None
 
     def members(self, group: str) -> dict[str, list[TopicPartition]]:
@@ -62,9 +65,10 @@ class GroupDescriber:
 
     def _helper(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen([sys.executable, "-m", "topics.kafka_groups", self.bootstrap],
+            self._proc = subprocess.Popen([sys.executable, "-m", "topics.kafka_groups"],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           stderr=subprocess.DEVNULL, text=True)
+            self._proc.stdin.write(json.dumps(self.client) + "\n")
         return self._proc
 
     def _stop(self) -> None:
@@ -84,12 +88,13 @@ class GroupDescriber:
             self._proc = None
 
 
-def _serve(bootstrap: str) -> None:
-    """The helper's loop: one ``{"group": ...}`` line in, one ``{"members": ...}`` or ``{"error": ...}`` out."""
+def _serve() -> None:
+    """The helper's loop: its client config on the first line; then one ``{"group": ...}`` line in, one
+    ``{"members": ...}`` or ``{"error": ...}`` out."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    admin = AdminClient({**json.loads(sys.stdin.readline()), "log_level": 0})
     for line in sys.stdin:
         group = json.loads(line)["group"]
         try:
@@ -105,4 +110,4 @@ def _serve(bootstrap: str) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve()

@@ -108,7 +108,7 @@ class TrainerService:
         self.names = TopicNames(cfg.run)
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.bus = connect(cfg.bus)
+        self.bus = connect(cfg.bus, cfg.kafka)
         admin = self.bus.admin()
         for topic in (self.names.samples(policy), self.names.metrics, self.names.deadletter):
             admin.create_topic(topic, partitions=4)

@@ -7,9 +7,11 @@ under a root URI, through obstore:
   obstore's local put writes a staging file next to the target and renames it
   into place, so a reader sees the whole object or none.
 - ``s3://bucket/prefix``: any S3-compatible endpoint. Endpoint, region and
-  credentials come from the standard ``AWS_*`` environment variables
-  (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...) or from ``options``. An S3
-  PUT (and a completed multipart upload) is atomic.
+  credentials come from ``options``, else the standard ``AWS_*`` environment variables
+  (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), else a profile of the standard
+  shared files (``AWS_PROFILE``, ``~/.aws/credentials``, ``AWS_SHARED_CREDENTIALS_FILE``),
+  read by boto3 through obstore's ``Boto3CredentialProvider``. An S3 PUT (and a
+  completed multipart upload) is atomic.
 """
 from __future__ import annotations
 
@@ -53,6 +55,21 @@ class StoredObject:
     size: int
 
 
+def _profile_credentials(options: dict[str, Any]) -> Any:
+    """obstore's boto3 credential provider for the AWS profile in use, when neither ``options`` nor the
+    environment give keys and a profile is configured (``AWS_PROFILE``, or a shared credentials file);
+    else None (obstore's own chain: environment, web identity, container and instance metadata)."""
+    if "access_key_id" in options or os.environ.get("AWS_ACCESS_KEY_ID"):
+        return None
+    shared = Path(os.environ.get("AWS_SHARED_CREDENTIALS_FILE", Path.home() / ".aws" / "credentials"))
+    if not os.environ.get("AWS_PROFILE") and not shared.is_file():
+        return None
+    import boto3
+    from obstore.auth.boto3 import Boto3CredentialProvider
+
+    return Boto3CredentialProvider(boto3.Session())
+
+
 class WeightStore:
     """Weight objects of one run under a root URI.
 
@@ -86,6 +103,7 @@ class WeightStore:
                             or os.environ.get("AWS_ENDPOINT_URL") or "")
                 client = {"allow_http": True} if str(endpoint).startswith("http://") else None
                 self._store = from_url(uri, config=options or None, client_options=client,
+                                       credential_provider=_profile_credentials(options),
                                        retry_config={"retry_timeout": timedelta(seconds=RETRY_TIMEOUT_S)})
         except StoreError:
             raise

@@ -33,7 +33,7 @@ sampling: {{max_new_tokens: 2}}
 raas: {{batch_prompts: 2, max_inflight_groups: 8}}
 """)
     cfg = load_config(path)
-    names, bus = TopicNames(cfg.run), connect(cfg.bus)
+    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
     bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
     assert acquire_run(cfg) == 40
     worker = RaasWorker(cfg, 0, bus)

@@ -16,6 +16,8 @@ import pytest
 from topics.bus import BusError, Record, TopicPartition, connect, offsets_after
 
 HELPER = Path(__file__).with_name("group_member.py")
+#: The core cases also run on Kafka's SASL_SSL listener (SCRAM-SHA-512 over TLS; ``bus_url`` in tests/conftest.py).
+core = pytest.mark.parametrize("bus_url", ["local", "kafka", "kafka-sasl-ssl"], indirect=True)
 REPO = Path(__file__).resolve().parents[2]
 SESSION_S = 6.0
 
@@ -63,6 +65,7 @@ def poll_until_stable(consumers, everything: set, step=lambda c: c.poll(100, 0.2
     pytest.fail(f"group did not settle: {[c.assignment() for c in consumers]}")
 
 
+@core
 def test_three_consumers_split_the_partitions(bus_url):
     bus = connect(bus_url)
     topic, group = unique("split"), unique("g")
@@ -133,6 +136,7 @@ def test_fourth_member_joins_rebalance_loses_nothing(bus_url):
         c.close()
 
 
+@core
 def test_member_killed_before_commit_its_records_go_to_another(bus_url, tmp_path):
     bus = connect(bus_url)
     topic, group = unique("kill"), unique("g")
@@ -284,6 +288,7 @@ def test_seek_to_timestamp_gives_exactly_the_later_batch(bus_url):
     member.close()
 
 
+@core
 def test_lag_is_exact(bus_url):
     bus = connect(bus_url)
     admin = bus.admin()
@@ -307,6 +312,7 @@ def test_lag_is_exact(bus_url):
     c.close()
 
 
+@core
 def test_headers_and_keys_round_trip(bus_url):
     bus = connect(bus_url)
     topic = unique("headers")
@@ -326,6 +332,7 @@ def test_headers_and_keys_round_trip(bus_url):
     reader.close()
 
 
+@core
 def test_compacted_topic_keeps_the_latest_value_per_key(bus_url):
     bus = connect(bus_url)
     admin = bus.admin()
@@ -415,6 +422,7 @@ def test_oversized_record_surfaces_an_error(bus_url):
     assert bus.admin().end_offsets(topic) == {0: 1}
 
 
+@core
 def test_transactions_abort_hides_commit_shows_with_offsets(bus_url):
     bus = connect(bus_url)
     source, sink, group = unique("txin"), unique("txout"), unique("g")

@@ -234,6 +234,22 @@ def test_publish_and_pull_through_s3(run, s3_uri):
     puller.close()
 
 
+def test_s3_credentials_come_from_an_aws_profile(run, s3_uri, tmp_path, monkeypatch):
+    """No keys in options or the environment: the named profile of the shared credentials file signs."""
+    bus, names = run
+    uri, options = s3_uri
+    shared = tmp_path / "credentials"
+    shared.write_text("[astraflow-test]\naws_access_key_id = profilekey\naws_secret_access_key = profilesecret\n")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(shared))
+    monkeypatch.setenv("AWS_PROFILE", "astraflow-test")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    store = WeightStore(uri, names.run, endpoint=options["endpoint"], region=options["region"])
+    store.put(names.run + "/solver/probe", b"signed by the profile")
+    assert store.get(names.run + "/solver/probe") == b"signed by the profile"
+
+
 def test_a_ghost_announcement_is_not_a_target(run, tmp_path, caplog):
     # Version 1000 is announced but its object never appears (a crash between announce and upload,
     # a foreign writer): pullers go to the newest version that is in the store, and say so once.
