@@ -12,6 +12,12 @@ softmax is used), so with ``top_p < 1`` the recorded value is the probability
 before truncation. With ``temperature == 0`` (greedy) logprobs are taken at
 ``T = 1``. SGLang returns the same quantity by default (its
 ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is left off).
+
+Interruption: an engine's :attr:`Engine.interrupt` event, once set, stops
+:class:`HFEngine` generation at its next decode step with
+:class:`GenerationInterrupted`; nothing of the call is returned, so no partial
+generation is ever used. :class:`SGLangEngine` ignores it (a request runs to
+its end).
 """
 from __future__ import annotations
 
@@ -77,8 +83,21 @@ class Generation:
     version: int
 
 
+class GenerationInterrupted(Exception):
+    """:meth:`Engine.generate` stopped because the engine's :attr:`Engine.interrupt` was set: the whole
+    call is dropped (no generation of it is returned) and the engine stays usable."""
+
+
 class Engine(abc.ABC):
-    """A rollout inference engine for one policy."""
+    """A rollout inference engine for one policy.
+
+    Attributes:
+        interrupt: when set, stops a :meth:`generate` in progress (or about to start) with
+            :class:`GenerationInterrupted`; None (the default) never interrupts. Checked by
+            :class:`HFEngine` before each decode step; :class:`SGLangEngine` ignores it.
+    """
+
+    interrupt: threading.Event | None = None
 
     @property
     @abc.abstractmethod
@@ -103,6 +122,7 @@ class Engine(abc.ABC):
 
         Raises:
             ValueError: an empty prompt.
+            GenerationInterrupted: :attr:`interrupt` was set (engines that check it).
         """
 
     @abc.abstractmethod
@@ -137,6 +157,8 @@ class HFEngine(Engine):
     their cache rows copied, as prefix caching does in SGLang and vLLM.
     Rows that have stopped keep running on a pad token (their outputs are
     ignored) until every row stops or ``max_new_tokens`` is reached.
+    :attr:`Engine.interrupt` is checked before each decode step (after the
+    prefill), so a set interrupt stops a call within one forward pass.
 
     Args:
         model_dir: a ``save_pretrained`` directory with model and tokenizer.
@@ -172,6 +194,12 @@ class HFEngine(Engine):
         return self._version
 
     def generate(self, batch: list[list[int]], sampling: SamplingParams) -> list[Generation]:
+        """See :meth:`Engine.generate`.
+
+        Raises:
+            ValueError: an empty prompt.
+            GenerationInterrupted: :attr:`Engine.interrupt` was set before a decode step.
+        """
         _check_prompts(batch)
         gen = self._generator
         if sampling.seed is not None:
@@ -207,6 +235,8 @@ class HFEngine(Engine):
             cache.reorder_cache(rows)  # one cache row per sample: index_select on the batch dimension
         logits, mask, next_pos = out.logits[rows, -1], mask[rows], positions[rows, -1:] + 1
         for t in range(steps):
+            if self.interrupt is not None and self.interrupt.is_set():
+                raise GenerationInterrupted(f"interrupted after {t} of up to {steps} tokens")
             tok, logp = self._sample(logits, sampling, gen)
             tok = tok.masked_fill_(done, self.pad_id)
             tokens[:, t], logps[:, t] = tok, logp
@@ -269,6 +299,7 @@ class SGLangEngine(Engine):
     (a ``save_pretrained`` directory). HTTP calls are retried with exponential
     backoff on connection errors and 5xx responses. ``SamplingParams.seed`` is
     not sent (the server samples from its own ``--random-seed`` stream).
+    :attr:`Engine.interrupt` is ignored: a request runs to its end.
 
     Args:
         url: the server's base URL; with ``launch=True`` the port is taken from it

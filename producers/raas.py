@@ -20,6 +20,12 @@ exceed ``raas.max_inflight_groups`` (see :meth:`RaasWorker.inflight_groups`), or
 A prompt that does not fit a policy's model (its tokens plus ``sampling.max_new_tokens`` over the model's
 ``max_position_embeddings``, see :meth:`RaasWorker.oversize`) is not rolled out: it goes to ``deadletter``
 with the reason (counted as ``too_long_total`` on ``metrics``), and its offset is committed with the batch.
+
+Stopping (SIGTERM): :meth:`RaasWorker.run` stops within a decode step, even mid-batch. The stop event is
+checked before each prompt and is every engine's :attr:`~producers.engines.Engine.interrupt`, so a generation
+in progress is dropped (:class:`~producers.engines.GenerationInterrupted`; SGLang requests run to their end).
+Nothing is written for the interrupted prompt; what the batch produced is flushed and only the offsets of the
+prompts before it are committed: the rest of the batch is delivered again, to this group's next owner.
 """
 from __future__ import annotations
 
@@ -30,9 +36,9 @@ from pathlib import Path
 
 from astraflow.config import RunConfig
 from astraflow.models import resolve_model
-from producers.engines import Engine, HFEngine, SamplingParams
+from producers.engines import Engine, GenerationInterrupted, HFEngine, SamplingParams
 from producers.workflows import get_workflow, prompt_ids
-from topics.bus import Bus, BusError, connect
+from topics.bus import Bus, BusError, TopicPartition, connect
 from topics.patience import patiently
 from topics.codec import encode, headers_for
 from topics.deadletter import ValidatingConsumer, send_to_deadletter
@@ -70,7 +76,7 @@ class RaasWorker:
     Args:
         cfg: the run config.
         worker_id: a number unique among this run's workers (names the producer).
-        bus: the bus (default: ``connect(cfg.bus)``).
+        bus: the bus (default: ``connect(cfg.bus, cfg.kafka)``).
 
     Raises:
         KeyError: the workflow or one of its policies is unknown.
@@ -78,7 +84,7 @@ class RaasWorker:
 
     def __init__(self, cfg: RunConfig, worker_id: int = 0, bus: Bus | None = None):
         self.cfg, self.id = cfg, f"raas-{worker_id}"
-        self.bus = bus or connect(cfg.bus)
+        self.bus = bus or connect(cfg.bus, cfg.kafka)
         self.names = TopicNames(cfg.run)
         self.workflow = get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None,
                                      **cfg.workflow.options)
@@ -213,8 +219,16 @@ class RaasWorker:
             out.append(g)
         return out
 
-    def step(self) -> int:
+    def step(self, stop: threading.Event | None = None) -> int:
         """One iteration: sync weights, apply backpressure, roll out one batch, flush, commit.
+
+        Args:
+            stop: checked before each prompt of the batch. Once it is set, or a rollout raises
+                :class:`~producers.engines.GenerationInterrupted` (an engine's ``interrupt``), the
+                batch ends there: nothing is written for the prompt in hand, what was written is
+                flushed, and per partition the commit stops at the first prompt not rolled out,
+                where this consumer is also seeked back (so it, or the partition's next owner,
+                reads that prompt again).
 
         Returns:
             Prompts rolled out (0 while paused or idle); dead-lettered ones are not counted.
@@ -232,8 +246,11 @@ class RaasWorker:
             for puller in self.pullers.values():
                 puller.poll(timeout_s=0.1 / len(self.pullers))
         batch = self.prompts.poll(self.cfg.raas.batch_prompts, 0.0 if reason else 0.5)
-        rolled = 0
-        for record, prompt in batch:
+        rolled, handled = 0, len(batch)  # handled: the batch's first records rolled out or dead-lettered
+        for i, (record, prompt) in enumerate(batch):
+            if stop is not None and stop.is_set():
+                handled = i
+                break
             too_long = self.oversize(prompt)
             if too_long:  # dead-lettered, flushed before the commit below
                 log.warning("%s: dead-lettering %s[%d]@%d: %s", self.id, record.topic, record.partition,
@@ -241,22 +258,35 @@ class RaasWorker:
                 send_to_deadletter(self.producer, self.names.deadletter, record, too_long, self.consumer.group)
                 self.totals["too_long"] += 1
                 continue
-            self.rollout(prompt)
+            try:
+                self.rollout(prompt)
+            except GenerationInterrupted:
+                handled = i
+                break
             rolled += 1
-        if self.prompts.last_offsets:
+        rest: dict[TopicPartition, int] = {}  # per partition, the first record not handled (offset order)
+        for record, _ in batch[handled:]:
+            rest.setdefault(record.tp, record.offset)
+        for tp, offset in rest.items():
+            self.consumer.seek(tp, offset)
+        if rest:
+            log.info("%s: stopped mid-batch: %d of %d prompts left for redelivery", self.id,
+                     len(batch) - handled, len(batch))
+        offsets = {**self.prompts.last_offsets, **rest}
+        if offsets:
             # Durable first, then committed; a failing broker is waited out here, keeping the batch in hand
             # (records are idempotent; a redelivered prompt would get the same group ids anyway).
             patiently(f"{self.id}: flush", self.producer.flush, log=log)
-            patiently(f"{self.id}: commit", self._commit_owned, log=log)
+            patiently(f"{self.id}: commit", lambda: self._commit_owned(offsets), log=log)
         self.totals["prompts"] += rolled
         self._maybe_metrics()
         return rolled
 
-    def _commit_owned(self) -> None:
-        """Commit the batch's prompt offsets on the partitions this worker still owns (a partition that
+    def _commit_owned(self, offsets: dict[TopicPartition, int]) -> None:
+        """Commit ``offsets`` (prompts) on the partitions this worker still owns (a partition that
         moved in a rebalance is re-read by its new owner from the last committed offset)."""
         owned = set(self.consumer.assignment())
-        offsets = {tp: off for tp, off in self.prompts.last_offsets.items() if tp in owned}
+        offsets = {tp: off for tp, off in offsets.items() if tp in owned}
         if offsets:
             self.consumer.commit(offsets)
 
@@ -271,12 +301,15 @@ class RaasWorker:
         self.producer.send(self.names.metrics, encode(metric), key=self.id, headers=headers_for(metric))
 
     def run(self, stop: threading.Event) -> None:
-        """Roll out until ``stop`` is set; then finish the batch in hand, commit and leave the group."""
+        """Roll out until ``stop`` is set; then leave the group. ``stop`` becomes every engine's
+        ``interrupt``, so it takes effect mid-batch, within a decode step (see :meth:`step`)."""
+        for engine in self.engines.values():
+            engine.interrupt = stop
         log.info("%s: joined %s on %s (policies %s)", self.id, self.names.raas_group(self.cfg.workflow.name),
                  self.names.prompts, self.policies)
         try:
             while not stop.is_set():
-                self.step()
+                self.step(stop)
         finally:
             self.close()
 

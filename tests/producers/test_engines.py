@@ -1,9 +1,11 @@
-"""HFEngine on the tiny model: batching, stopping, logprob exactness, weight loading; SGLang on a GPU."""
+"""HFEngine on the tiny model: batching, stopping, logprob exactness, weight loading, interruption; SGLang on a GPU."""
+import threading
+
 import numpy as np
 import pytest
 import torch
 
-from producers.engines import HFEngine, SamplingParams
+from producers.engines import GenerationInterrupted, HFEngine, SamplingParams
 
 torch.set_num_threads(2)
 
@@ -92,6 +94,33 @@ def test_load_weights_in_place_sets_version(tiny_model_dir):
     with pytest.raises(ValueError, match="shape"):
         eng.load_weights({name: torch.zeros(2, 2)}, version=4)
     assert eng.version == 3
+
+
+def test_an_interrupt_stops_generation_at_the_next_decode_step_and_leaves_the_engine_usable(engine):
+    """The interrupt is set during the third forward pass (prefill and two decode steps of the first chunk):
+    no further pass runs, nothing is returned, and once cleared the engine generates as before."""
+    batch = _encode(engine, PROMPTS)
+    sampling = SamplingParams(max_new_tokens=50, temperature=0.7, stop_token_ids=(), seed=3)
+    before = engine.generate(batch, sampling)
+    interrupt, forwards = threading.Event(), []
+
+    def count(*_):
+        forwards.append(1)
+        if len(forwards) == 3:
+            interrupt.set()
+
+    hook = engine.model.register_forward_hook(count)
+    engine.interrupt = interrupt
+    try:
+        with pytest.raises(GenerationInterrupted):
+            engine.generate(batch, sampling)
+        assert len(forwards) == 3
+        interrupt.clear()
+        after = engine.generate(batch, sampling)
+    finally:
+        hook.remove()
+        engine.interrupt = None
+    assert [g.output_ids.tolist() for g in after] == [g.output_ids.tolist() for g in before]
 
 
 def test_bad_sampling_params_are_rejected():

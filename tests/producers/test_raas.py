@@ -1,5 +1,6 @@
 """RaaS workers: two share one consumer group; one is SIGKILLed mid-rollout; every prompt
-still yields exactly one accepted group downstream (de-duplicated by group_id). A prompt too long for
+still yields exactly one accepted group downstream (de-duplicated by group_id). A SIGTERMed worker stops
+mid-batch within seconds, committing exactly the prompts it wrote groups for. A prompt too long for
 the model goes to deadletter and the worker moves past it."""
 import json
 import os
@@ -44,9 +45,9 @@ def read_all(bus, topic):
     return [decode(r.value, TrajectoryGroup) for r in read_topic(bus, topic)]
 
 
-def start_worker(config, i, log_dir):
+def start_worker(config, i, log_dir, *overrides):
     log = open(log_dir / f"raas-{i}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "astraflow", "raas", str(config), "--worker-id", str(i)],
+    return subprocess.Popen([sys.executable, "-m", "astraflow", "raas", str(config), *overrides, "--worker-id", str(i)],
                             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
@@ -54,7 +55,7 @@ def start_worker(config, i, log_dir):
 def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_model_dir):
     config = write_config(tmp_path, bus_url, tiny_model_dir)
     cfg = load_config(config)
-    names, bus = TopicNames(cfg.run), connect(cfg.bus)
+    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
     bus.admin().ensure_run_topics(names, ["actor"], partitions=4)
     assert acquire_run(cfg) == N_PROMPTS
     topic = names.trajectories("actor")
@@ -100,6 +101,65 @@ def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_m
             assert s.loss_mask.sum() >= 1 and (s.versions[s.loss_mask == 1] == 0).all()
 
 
+def test_sigterm_mid_batch_stops_within_seconds_and_commits_exactly_the_written_prompts(tmp_path, tiny_model_dir):
+    """A batch of 8 prompts x 32 samples of up to 1500 tokens at temperature 20 (EOS is rare) takes tens of
+    seconds; SIGTERM after its first group stops the worker within 5 s. The committed prompts are exactly those
+    with a group; a second worker then rolls out the rest: one group per prompt, none twice."""
+    n_prompts = 16
+    path = tmp_path / "run.yaml"
+    path.write_text(f"""
+run: stop{uuid.uuid4().hex[:8]}
+run_dir: {tmp_path / 'run'}
+bus: local://{tmp_path / 'bus'}
+policies:
+  actor: {{model: {tiny_model_dir}}}
+data: {{sources: [{{name: arith, limit: {n_prompts}}}], n_samples: 32}}
+sampling: {{max_new_tokens: 1500, temperature: 20.0}}
+raas: {{batch_prompts: 8, max_inflight_groups: 100000}}
+""")
+    cfg = load_config(path)
+    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
+    bus.admin().ensure_run_topics(names, ["actor"], partitions=4)
+    assert acquire_run(cfg) == n_prompts
+    topic, group = names.trajectories("actor"), names.raas_group("single_turn")
+    worker = start_worker(path, 0, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while sum(bus.admin().end_offsets(topic).values()) < 1:
+            assert time.monotonic() < deadline, "no group was written"
+            assert worker.poll() is None, (tmp_path / "raas-0.log").read_text()[-2000:]
+            time.sleep(0.1)
+        signalled = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(5) == 0, (tmp_path / "raas-0.log").read_text()[-2000:]
+        print(f"stopped {time.monotonic() - signalled:.2f} s after SIGTERM")
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert "stopped mid-batch" in (tmp_path / "raas-0.log").read_text()
+    written = [g.prompt_id for g in read_all(bus, topic)]
+    committed = bus.admin().group_offsets(group, names.prompts)
+    prompts = [(r, decode(r.value, Prompt)) for r in read_topic(bus, names.prompts)]
+    done = [p.prompt_id for r, p in prompts if r.offset < (committed.get(r.partition) or 0)]
+    assert 0 < len(written) < n_prompts and len(set(written)) == len(written)
+    assert sorted(done) == sorted(written)
+
+    # The prompts left over, the interrupted one included, are rolled out by the next worker (quickly now).
+    worker = start_worker(path, 1, tmp_path, "sampling.max_new_tokens=2", "sampling.temperature=1.0")
+    try:
+        deadline = time.monotonic() + 120
+        while sum(bus.admin().group_lag(group, names.prompts).values()) > 0:
+            assert time.monotonic() < deadline, "the rest of the prompts was not rolled out"
+            assert worker.poll() is None, (tmp_path / "raas-1.log").read_text()[-2000:]
+            time.sleep(0.2)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert sorted(g.prompt_id for g in read_all(bus, topic)) == sorted(p.prompt_id for _, p in prompts)
+
+
 def test_a_prompt_longer_than_the_model_context_is_dead_lettered(tmp_path, tiny_model_dir):
     """The tiny model takes 2048 positions; a 3000-digit operand is 3004 prompt tokens."""
     data = tmp_path / "sums.jsonl"
@@ -116,7 +176,7 @@ sampling: {{max_new_tokens: 2}}
 raas: {{batch_prompts: 4}}
 """)
     cfg = load_config(path)
-    names, bus = TopicNames(cfg.run), connect(cfg.bus)
+    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
     bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
     assert acquire_run(cfg) == 4  # no character limit at acquisition: RaaS is the one to refuse it
     worker = RaasWorker(cfg, 0, bus)
