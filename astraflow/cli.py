@@ -175,8 +175,9 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     except ValueError as e:
         typer.echo(f"invalid policies.{policy}.serving: {e}", err=True)
         raise typer.Exit(2)
-    service_cfg = ServiceConfig(bus=cfg.bus, run=cfg.run, model_dir=resolve_model(pc.model),
-                                run_dir=cfg.run_dir / f"trainer.{policy}", trainer=cfg.trainer_config(policy), steps=pc.steps,
+    service_cfg = ServiceConfig(bus=cfg.bus, kafka=cfg.kafka, run=cfg.run, model_dir=resolve_model(pc.model),
+                                run_dir=cfg.run_dir / f"trainer.{policy}", trainer=cfg.trainer_config(policy),
+                                steps=pc.steps,
                                 batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
                                 checkpoint_every=pc.checkpoint_every, console=False,
                                 barrier_peers={q: c.steps for q, c in cfg.policies.items() if q != policy}

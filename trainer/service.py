@@ -31,6 +31,7 @@ from policies.base import ServingPolicy
 from topics.bus import Bus, BusError, connect
 from topics.codec import encode, headers_for
 from topics.follow import LatestByKey
+from topics.kafka_security import KafkaSecurity
 from topics.names import TopicNames
 from topics.patience import patiently
 from topics.schemas import TrainedBatch, TrainerProgress
@@ -68,7 +69,8 @@ class ServiceConfig:
     stop after this long without data (None: wait forever). ``barrier_peers``:
     lockstep coupling with these policies (peer -> its ``steps``; see
     :class:`trainer.coupling.VersionBarrier`); None: independent. ``checkpoint_every``:
-    steps between checkpoints. ``keep_checkpoints``: complete checkpoints kept.
+    steps between checkpoints. ``keep_checkpoints``: complete checkpoints kept. ``kafka``: the
+    bus's security settings (None: from the ``ASTRAFLOW_KAFKA_*`` environment).
     """
 
     bus: str
@@ -88,6 +90,7 @@ class ServiceConfig:
     console: bool = True
     tensorboard_dir: Path | None = None
     wandb_project: str | None = None
+    kafka: KafkaSecurity | None = None
 
 
 class TrainerService:
