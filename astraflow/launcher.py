@@ -444,5 +444,6 @@ class Launcher:
             "versions": {p: versions.get(p, v.version) for p, v in monitor.views.items()},
             "reward_first": None if first is None else round(first, 4),
             "reward_last": None if last is None else round(last, 4),
+            "dead_letters": monitor.dead_letters,
             "wall_s": round(wall_s, 1),
         }

@@ -1,7 +1,8 @@
-"""Watching a run: metrics from the ``metrics`` topic and consumer-group lag from committed offsets.
+"""Watching a run: metrics from the ``metrics`` topic, rejected records from ``deadletter``, and
+consumer-group lag from committed offsets.
 
 Used by the launcher's live view and by ``astraflow status``. It reads the
-``metrics`` topic as its own consumer group, so it never disturbs the run.
+``metrics`` and ``deadletter`` topics as its own consumer group, so it never disturbs the run.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from rich.table import Table
 from topics.bus import Bus, BusError
 from topics.codec import MessageError, decode
 from topics.names import TopicNames
-from topics.schemas import Metric
+from topics.schemas import DeadLetter, Metric
 
 @dataclass
 class PolicyView:
@@ -34,7 +35,10 @@ class PolicyView:
 
 
 class RunMonitor:
-    """Follows a run's ``metrics`` topic and reads its consumer-group lag.
+    """Follows a run's ``metrics`` and ``deadletter`` topics and reads its consumer-group lag.
+
+    ``dead_letters`` counts the records the run rejected so far (bad prompt lines, prompts over a model's
+    context, invalid messages), ``last_dead_letter`` says where the newest came from and why.
 
     Args:
         bus: the run's bus.
@@ -49,17 +53,24 @@ class RunMonitor:
         self.bus, self.names, self.policies, self.workflow = bus, names, policies, workflow
         self.admin = bus.admin()
         self.consumer = bus.consumer(group or f"monitor.{uuid.uuid4().hex[:8]}")
-        self.consumer.subscribe([names.metrics])
+        self.admin.create_topic(names.deadletter, partitions=4)  # subscribed before any component made it
+        self.consumer.subscribe([names.metrics, names.deadletter])
         self.views = {p: PolicyView() for p in policies}
         self.components: dict[str, Metric] = {}
         self.records: list[Metric] = []
         self.rejected = 0
+        self.dead_letters = 0
+        self.last_dead_letter: str | None = None
         self._rollout_tokens: dict[str, list[tuple[float, float]]] = {}  # worker -> [(ts, tokens_total)]
 
     def poll(self, timeout_s: float = 0.2) -> list[Metric]:
-        """Read new metrics and update the views; returns them (invalid records are counted, not raised)."""
+        """Read new metrics and dead letters and update the views; returns the metrics (invalid records are
+        counted, not raised)."""
         out = []
         for r in self.consumer.poll(1000, timeout_s):
+            if r.topic == self.names.deadletter:
+                self._count_dead_letter(r)
+                continue
             try:
                 m = decode(r.value, Metric, topic=r.topic, partition=r.partition, offset=r.offset)
             except MessageError:
@@ -86,6 +97,17 @@ class RunMonitor:
                     v.history.append((v.step, m.values["reward_mean"]))
         self.records += out
         return out
+
+    def _count_dead_letter(self, r) -> None:
+        self.dead_letters += 1
+        try:
+            letter = decode(r.value, DeadLetter, topic=r.topic, partition=r.partition, offset=r.offset)
+        except MessageError as e:
+            self.last_dead_letter = str(e)[:300]
+            return
+        where = f"{letter.topic}:{letter.offset}" if letter.partition < 0 else \
+            f"{letter.topic}[{letter.partition}]@{letter.offset}"
+        self.last_dead_letter = f"{where}: {letter.error}"[:300]
 
     def _groups(self) -> list[tuple[str, str]]:
         """The run's (consumer group, topic) pairs."""
@@ -151,6 +173,8 @@ class RunMonitor:
             "rollout_tokens_per_s": self.rollout_throughput(),
             "lag": {f"{group} {topic}": n for (group, topic), n in self.lags().items()},
             "members": self.members(),
+            "dead_letters": self.dead_letters,
+            "last_dead_letter": self.last_dead_letter,
         }
 
     def table(self, title: str = "") -> Group:
@@ -169,6 +193,9 @@ class RunMonitor:
             lag.add_column(col, justify="right" if col == "lag" else "left")
         for (group, topic), n in self.lags().items():
             lag.add_row(group, topic, "?" if n is None else str(n))
+        if self.dead_letters:
+            lag.caption = f"[yellow]{self.dead_letters} dead letter(s) on {self.names.deadletter}; newest: " \
+                          f"{self.last_dead_letter}[/]"
         members = Table(title="consumer-group members")
         for col in ("consumer group", "member", "partitions"):
             members.add_column(col)

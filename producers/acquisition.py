@@ -24,8 +24,9 @@ state's ``rejected``, and is written to the run's ``deadletter`` topic as a
 :class:`topics.schemas.DeadLetter` (``topic`` = the source file, ``partition`` = -1,
 ``offset`` = the line or row, ``key`` = the prompt id it would have had,
 ``value`` = the raw record, at most :data:`DEADLETTER_MAX_BYTES`), durable with
-its batch; then acquisition goes on. It happens in every epoch that meets the
-record. With ``strict`` the first bad record raises instead.
+its batch; then acquisition goes on. That happens in the first epoch; later epochs
+skip the same record without a word (one dead letter per bad record, not one per
+pass). With ``strict`` the first bad record raises instead.
 """
 from __future__ import annotations
 
@@ -227,7 +228,8 @@ class Acquisition:
                     try:
                         prompt = self.source[index]
                     except SourceError as e:
-                        self._reject(producer, index, e)
+                        if self.state.epoch == 0:  # reported once; later passes skip it
+                            self._reject(producer, index, e)
                         continue
                     prompt = prompt.model_copy(update={
                         "workflow": self.workflow, "n_samples": self.n_samples,

@@ -1,6 +1,7 @@
 """`astraflow run` end to end: the CPU demo learns, status reads a live run, GSM8K through Kafka."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -9,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from topics.bus import connect
+from tests.producers.bad_prompts import BAD_LINES, GOOD_LINES, write_bad_prompt_file
+from topics.bus import connect, read_topic
+from topics.codec import decode
 from topics.names import TopicNames
+from topics.schemas import Prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,3 +112,25 @@ def test_gsm8k_tiny_through_kafka(tmp_path, kafka_url):
     assert {c["exit_code"] for c in json.loads((tmp_path / "components.json").read_text()).values()} == {0}
     prompts = connect(kafka_url).admin().end_offsets(TopicNames(run).prompts)
     assert sum(prompts.values()) > 0
+
+
+@pytest.mark.slow
+def test_a_run_on_a_file_with_bad_records_rejects_each_one_and_trains(tmp_path):
+    """The prompt file of tests/producers/bad_prompts.py (four bad records, three good ones) beside arith:
+    the run completes, the four are dead letters (one warning line each in acquisition's log), and the
+    good three are rolled out."""
+    path = write_bad_prompt_file(tmp_path / "prompts.jsonl")
+    run = f"bad{uuid.uuid4().hex[:8]}"
+    s = summary_of(astraflow("run", "examples/arith-tiny.yaml", f"run={run}", f"run_dir={tmp_path / 'run'}",
+                             "policies.actor.steps=5", f"data.sources=[{{name: arith}}, {{name: {path}, weight: 0.2}}]"))
+    assert s["versions"] == {"actor": 5} and s["dead_letters"] == len(BAD_LINES), s
+    rejected = [line for line in (tmp_path / "run" / "logs" / "acquire.log").read_text().splitlines()
+                if "rejected" in line and str(path) in line]
+    assert len(rejected) == len(BAD_LINES), rejected
+    for line, reason in BAD_LINES.items():
+        assert sum(bool(re.search(f":{line}\\b.*{reason}", r)) for r in rejected) == 1, (line, rejected)
+    prompts = [decode(r.value, Prompt) for r in read_topic(connect(f"local://{tmp_path / 'run' / 'bus'}"),
+                                                           TopicNames(run).prompts)]
+    from_file = [p.prompt_id for p in prompts if p.source != "arith"]  # the example passes over its sources 20 times
+    assert {p.answer for p in prompts if p.source != "arith"} == set(GOOD_LINES.values())
+    assert len(set(from_file)) == len(GOOD_LINES), from_file
