@@ -49,14 +49,18 @@ def test_tis_weight_by_hand():
 
 
 def test_m2po_mask_by_hand():
-    # (log r)^2 = .01, .04, .09, 1.0 on valid tokens; padding token (huge) is ignored.
-    log_ratio = torch.tensor([[0.1, -0.2, 0.3], [1.0, 5.0, 0.0]])
+    # All A > 0 and r > 1 (harmful): (log r)^2 = .01, .04, .09, 1.0 on valid tokens; padding (huge) ignored.
+    # mean = .285 > .04; budget 4*.04 = .16; capping at .01 -> .04, at .04 -> .13, at .09 -> .23 >= .16:
+    # bound sqrt(.04), so the .09 and 1.0 tokens are clipped (the authors' capping rule, not removal).
+    log_ratio = torch.tensor([[0.1, 0.2, 0.3], [1.0, 5.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    # mean of all 4 = 1.14/4 = .285 > .04 ; drop 1.0 -> .14/3 = .0467 > .04 ; drop .09 -> .05/2 = .025 <= .04
-    keep = losses.m2po_mask(log_ratio, mask, tau=0.04)
+    adv = torch.tensor([1.0, 1.0])
+    keep = losses.m2po_mask(log_ratio, adv, mask, tau=0.04)
     assert keep.tolist() == [[True, True, False], [False, False, False]]
     # under tau already: everything valid kept
-    assert losses.m2po_mask(log_ratio, mask, tau=0.3).tolist() == [[True, True, True], [True, False, False]]
+    assert losses.m2po_mask(log_ratio, adv, mask, tau=0.3).tolist() == [[True, True, True], [True, False, False]]
+    # tokens that moved against their advantage are never masked
+    assert losses.m2po_mask(log_ratio, -adv, mask, tau=0.0).tolist() == [[True, True, True], [True, False, False]]
 
 
 def test_k3_kl_by_hand():
