@@ -15,7 +15,7 @@ Two modes:
   fresh groups, then replay-pool groups, in the recorded order). With the same
   trainer config, seed and CPU thread count, every version's weights are then
   bit-identical to the original's: :func:`weights.codec.state_sha256` of the
-  bf16 CPU copy (:meth:`~trainer.loop.Trainer.publish_state`) equals the sha256
+  published CPU copy (:meth:`~trainer.loop.Trainer.publish_state`) equals the sha256
   the original announced on the ``weights`` topic.
 - **reserve** (no recorded batches, e.g. a run from before they were recorded): the groups are re-served by a
   :class:`~consumers.serving.ServingStage` with the config's batch size and
@@ -214,7 +214,7 @@ def replay_exact(config: TrainerConfig, model_dir: str | Path, steps: list[Train
 
     Returns:
         ``[(version, n_groups, sha256)]``: sha256 is :func:`weights.codec.state_sha256` of the
-        bf16 CPU weights (:meth:`~trainer.loop.Trainer.publish_state`), what the original trainer announced.
+        published CPU weights (:meth:`~trainer.loop.Trainer.publish_state`), what the original trainer announced.
 
     Raises:
         ReplayError: the versions are not 1, 2, 3, ..., or a recorded id is not in ``groups``.

@@ -74,8 +74,11 @@ class Trainer:
         self.version = ckpt.version
 
     def publish_state(self) -> dict[str, torch.Tensor]:
-        """The weights as published: bf16 CPU tensors, name -> tensor."""
-        return {k: v.detach().to("cpu", torch.bfloat16) for k, v in self.backend.full_state_dict().items()}
+        """The weights as published, name -> CPU tensor in ``param_dtype``: the dtype engines run, so that a
+        float32 trainer feeds float32 engines the very policy it trains (with ``master_fp32`` the fp32
+        master weights are rounded to ``param_dtype``, the dtype the forward pass computes in)."""
+        dtype = DTYPES[self.config.param_dtype]
+        return {k: v.detach().to("cpu", dtype) for k, v in self.backend.full_state_dict().items()}
 
     # -- one step ----------------------------------------------------------
     def _autocast(self):

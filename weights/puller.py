@@ -87,6 +87,9 @@ class Puller:
         self.state, self.version, self.sha256 = state, version, sha256
         self.on_update, self.attempts, self.backoff_s = on_update, attempts, backoff_s
         self.announced: dict[int, WeightAnnouncement] = {}
+        #: names of the tensors changed since ``on_update`` was last called (read it there: it is reset
+        #: after the call); None: possibly all (nothing was handed over yet, or a full snapshot was loaded)
+        self.changed: set[str] | None = None
         self._bases: dict[int, int] = {}
         self._bad: set[str] = set()
         self._durable: tuple[int, float, int | None] | None = None  # (newest announced, when, answer)
@@ -206,6 +209,8 @@ class Puller:
             data = self._fetch(step.obj.key)
             hdr = apply_delta(data, self.state, expect_sha256=expect_sha, base_sha256=self.sha256)
             self.version, self.sha256 = step.version, hdr.sha256
+            if self.changed is not None:
+                self.changed |= {t["name"] for t in hdr.tensors if t["count"]}
             return
         with tempfile.TemporaryDirectory(prefix="astraflow-pull-") as tmp:
             path = Path(tmp) / "full.safetensors"
@@ -214,10 +219,16 @@ class Puller:
             if version != step.version:
                 raise WeightFormatError(f"{uri} holds version {version}, expected {step.version}")
         self.state, self.version, self.sha256 = dict(state), version, sha
+        self.changed = None
         log.debug("puller %s: loaded %s", self.policy, uri)
 
-    def sync(self, target: int | None = None) -> bool:
+    def sync(self, target: int | None = None, expect_sha256: str | None = None) -> bool:
         """Bring the local weights to ``target`` (default: :meth:`newest_durable`).
+
+        Args:
+            target: the version to reach.
+            expect_sha256: the checksum ``target`` must have (default: its announcement's, when this puller
+                read it; a puller without a bus is told it here).
 
         Returns:
             True if the version changed (``on_update`` was called), False if already there.
@@ -230,7 +241,7 @@ class Puller:
         target = self.newest_durable() if target is None else target
         if target is None or (self.version is not None and target <= self.version):
             return False
-        expect = self.announced[target].sha256 if target in self.announced else None
+        expect = expect_sha256 or (self.announced[target].sha256 if target in self.announced else None)
         tried: dict[str, int] = {}
         while self.version != target:
             try:
@@ -262,4 +273,5 @@ class Puller:
         self.announced = {v: a for v, a in self.announced.items() if v >= self.version}
         if self.on_update is not None:
             self.on_update(self.state, self.version)
+            self.changed = set()
         return True
