@@ -77,12 +77,74 @@ class FilterProcessorConfig(_Strict):
                                      "partitions move to the others")
 
 
+#: ``sglang.launch_server`` arguments the SGLang engine sets itself (``sglang.launch_args`` must not repeat them)
+SGLANG_OWN_ARGS = ("--model-path", "--host", "--port", "--weight-version")
+
+
+class SGLangConfig(_Strict):
+    """How a policy's SGLang engine (``engine: sglang``) reaches its server: attach to ``url``, or (no
+    ``url``) launch ``python -m sglang.launch_server`` in each RaaS worker on ``port`` with ``launch_args``
+    (``producers/sglang_engine.py``)."""
+
+    url: str | None = Field(default=None, description="attach to a running SGLang server (http://host:port); "
+                                                      "None: each worker launches its own")
+    port: int | None = Field(default=None, ge=1, le=65535, description="the launched server's port; None: a free "
+                             "port, so that two policies or workers on one host never collide")
+    launch_args: list[str] = Field(default_factory=list, description="extra sglang.launch_server arguments, "
+                                   "e.g. [--mem-fraction-static, '0.5', --tp-size, '2']")
+    startup_timeout_s: float = Field(default=600.0, gt=0, description="seconds to wait for the server's /health")
+
+    @model_validator(mode="after")
+    def _attach_or_launch(self) -> "SGLangConfig":
+        if self.url is not None and (self.port is not None or self.launch_args):
+            raise ValueError("sglang.url attaches to a running server: sglang.port and sglang.launch_args are "
+                             "for a launched one (leave url unset to launch)")
+        own = [a for a in self.launch_args if a.split("=", 1)[0] in SGLANG_OWN_ARGS]
+        if own:
+            raise ValueError(f"sglang.launch_args has {own}: the engine sets {', '.join(SGLANG_OWN_ARGS)} itself "
+                             "(use sglang.port for the port)")
+        return self
+
+
+class VLLMConfig(_Strict):
+    """How a policy's vLLM engine (``engine: vllm``) reaches its server: attach to ``url``, or (no ``url``)
+    ``astraflow run`` starts one server per policy, the component ``vllm.<policy>`` (``producers/vllm_server.py``),
+    in vLLM's own venv, in the dtype the trainer publishes (``trainer.param_dtype``)."""
+
+    url: str | None = Field(default=None, description="attach to a running server (http://host:port), started with "
+                            "AstraFlow's worker extension and VLLM_SERVER_DEV_MODE=1; None: astraflow run starts one")
+    port: int | None = Field(default=None, ge=1, le=65535, description="the started server's port; None: a free one")
+    python: Path = Field(default=Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python",
+                         description="the vLLM venv's interpreter (scripts/install_vllm.sh makes it)")
+    args: list[str] = Field(default_factory=list, description="extra vllm api_server arguments")
+    max_model_len: int | None = Field(default=None, ge=1, description="longest prompt plus completion, tokens "
+                                      "(None: the model's own limit)")
+    kv_cache_gib: float = Field(default=1.0, gt=0, description="KV cache of the CPU backend (VLLM_CPU_KVCACHE_SPACE)")
+    startup_timeout_s: float = Field(default=900.0, gt=0, description="how long RaaS workers wait for its /health")
+    started_url: str | None = Field(default=None, description="set by astraflow run for its RaaS workers: the URL of "
+                                    "the server it started for this policy (not for users: set url to attach)")
+
+    @property
+    def server(self) -> str | None:
+        """The URL RaaS workers use: ``url``, else ``started_url``."""
+        return self.url or self.started_url
+
+    @model_validator(mode="after")
+    def _attach_or_start(self) -> "VLLMConfig":
+        if self.url is not None and ({"port", "args", "max_model_len", "kv_cache_gib", "python"}
+                                     & self.model_fields_set):
+            raise ValueError("vllm.url attaches to a running server: vllm.port, args, max_model_len, kv_cache_gib "
+                             "and python are for a started one (leave url unset)")
+        return self
+
+
 class PolicyConfig(_Strict):
     """One trained policy: its model, engine, trainer and data policies."""
 
     model: str = Field(min_length=1, description="an HF model directory, or 'tiny' for the built-in tiny model")
-    engine: Literal["hf", "sglang"] = "hf"
-    sglang_url: str | None = Field(default=None, description="attach to a running SGLang server")
+    engine: Literal["hf", "sglang", "vllm"] = "hf"
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="the SGLang server (engine: sglang)")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="the vLLM server (engine: vllm)")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     batch_groups: int = Field(default=16, ge=1, description="groups per training step")
     steps: int = Field(default=100, ge=1, description="trainer versions to produce, then stop")
@@ -94,6 +156,16 @@ class PolicyConfig(_Strict):
     filter_processor: FilterProcessorConfig = Field(default_factory=FilterProcessorConfig)
     serving: list[dict[str, Any]] = Field(default_factory=list, description="at most one replay policy, e.g. "
                                           "[{name: replay, ratio: 0.5}] (policies/registry.py: build_serving)")
+
+    @model_validator(mode="after")
+    def _engine_settings_fit(self) -> "PolicyConfig":
+        for engine in ("sglang", "vllm"):
+            if engine in self.model_fields_set and self.engine != engine:
+                raise ValueError(f"{engine} settings apply to engine: {engine}, and engine is {self.engine!r}")
+        if self.engine == "vllm" and self.vllm.url is None and not self.vllm.python.exists():
+            raise ValueError(f"engine: vllm starts a server with {self.vllm.python}, which does not exist: run "
+                             "scripts/install_vllm.sh, or set vllm.python, or vllm.url for a running server")
+        return self
 
 
 class WorkflowConfig(_Strict):

@@ -1,8 +1,8 @@
 """The single-machine launcher behind ``astraflow run``.
 
 It starts each component as its own process (acquisition, N RaaS workers, one
-filter processor and one trainer per policy), each with a log file in
-``<run_dir>/logs``. It never calls them: they meet on the bus and the store.
+filter processor and one trainer per policy, and a vLLM server per policy whose
+``engine: vllm`` names no ``vllm.url``), each with a log file in ``<run_dir>/logs``. It never calls them: they meet on the bus and the store.
 A live view shows step, version, reward, KL, throughput, lag and staleness.
 
 The run ends when every trainer has produced its ``steps`` versions (or after
@@ -69,6 +69,7 @@ class Component:
     in_a_row: int = 0        # since it last ran HEALTHY_S seconds
     started_at: float = 0.0  # monotonic
     restart_at: float | None = None  # monotonic time of a scheduled restart
+    env: dict[str, str] | None = None  # its whole environment (None: the launcher's, see Launcher._start)
 
     @property
     def kind(self) -> str:
@@ -116,10 +117,31 @@ def policy_component(policy: str, instance: int) -> str:
     return f"policy.{policy}" + (f".{instance}" if instance else "")
 
 
+def vllm_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[str]]:
+    """A vLLM server component per policy with ``engine: vllm`` and no ``vllm.url``, on ``vllm.port`` (None: a
+    free port), in the dtype its trainer publishes; and the overrides that point RaaS workers at them
+    (``policies.<p>.vllm.started_url=http://127.0.0.1:<port>``)."""
+    from astraflow.models import resolve_model
+    from producers.vllm_server import free_port, server_argv, server_env
+
+    comps, urls = [], []
+    for p, pc in cfg.policies.items():
+        if pc.engine != "vllm" or pc.vllm.url is not None:
+            continue
+        port = pc.vllm.port or free_port()
+        argv = [str(pc.vllm.python), "-m", "producers.vllm_server",
+                *server_argv(pc.vllm.python, resolve_model(pc.model), port, pc.trainer.param_dtype,
+                             pc.vllm.max_model_len, pc.vllm.args)]
+        comps.append(Component(f"vllm.{p}", argv, logs / f"vllm.{p}.log",
+                               env=server_env(dict(os.environ), pc.vllm.kv_cache_gib)))
+        urls.append(f"policies.{p}.vllm.started_url=http://127.0.0.1:{port}")
+    return comps, urls
+
+
 def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[Component]:
-    """The processes of a run, in start order: trainers and filters first, then RaaS, then acquisition."""
+    """The processes of a run, in start order: vLLM servers, trainers and filters, then RaaS, then acquisition."""
     logs = cfg.run_dir / "logs"
-    comps = []
+    comps, vllm_urls = vllm_components(cfg, logs)
     for p in cfg.policies:
         comps.append(Component(f"trainer.{p}", component_argv("trainer", config_path, overrides, "--policy", p),
                                logs / f"trainer.{p}.log"))
@@ -128,8 +150,8 @@ def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> 
             comps.append(Component(name, component_argv("policy", config_path, overrides, "--policy", p,
                                                          "--instance", str(i)), logs / f"{name}.log"))
     for i in range(cfg.raas.workers):
-        comps.append(Component(f"raas-{i}", component_argv("raas", config_path, overrides, "--worker-id", str(i)),
-                               logs / f"raas-{i}.log"))
+        comps.append(Component(f"raas-{i}", component_argv("raas", config_path, [*overrides, *vllm_urls],
+                                                            "--worker-id", str(i)), logs / f"raas-{i}.log"))
     comps.append(Component("acquire", component_argv("acquire", config_path, overrides), logs / "acquire.log"))
     return comps
 
@@ -221,8 +243,8 @@ class Launcher:
 
     def _start(self, comp: Component) -> None:
         comp.log.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   **{LAUNCHER_PID_ENV: str(os.getpid())})
+        env = dict(comp.env or os.environ, PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{LAUNCHER_PID_ENV: str(os.getpid())})
         with open(comp.log, "ab") as log:
             comp.proc = subprocess.Popen(comp.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)

@@ -1,4 +1,5 @@
-"""Inference engines for rollouts: one interface, a transformers engine and an SGLang client.
+"""Inference engines for rollouts: the interface and the transformers engine (the SGLang client is
+:class:`producers.sglang_engine.SGLangEngine`).
 
 An :class:`Engine` turns a batch of prompt token ids into sampled continuations
 with their *behaviour logprobs*, and accepts new weights between rollouts.
@@ -10,24 +11,24 @@ under the temperature-scaled distribution, where ``T`` is
 temperature. top-p truncation is *not* reflected (the full temperature-scaled
 softmax is used), so with ``top_p < 1`` the recorded value is the probability
 before truncation. With ``temperature == 0`` (greedy) logprobs are taken at
-``T = 1``. SGLang returns the same quantity by default (its
-``SGLANG_RETURN_ORIGINAL_LOGPROB`` is left off).
+``T = 1``. SGLang returns the same quantity, also with ``top_p < 1`` (see
+:mod:`producers.sglang_engine`; its ``SGLANG_RETURN_ORIGINAL_LOGPROB`` must be left off).
 
 Interruption: an engine's :attr:`Engine.interrupt` event, once set, stops
 :class:`HFEngine` generation at its next decode step with
 :class:`GenerationInterrupted`; nothing of the call is returned, so no partial
-generation is ever used. :class:`SGLangEngine` ignores it (a request runs to
+generation is ever used. :class:`~producers.sglang_engine.SGLangEngine` ignores it (a request runs to
 its end).
+
+Weight updates: :meth:`Engine.load_weights` either loads the new weights and moves
+:attr:`Engine.version`, or raises and keeps the old version (:class:`EngineUpdateError` when the
+engine could not load them, e.g. its server refused or could not be reached).
 """
 from __future__ import annotations
 
 import abc
 import inspect
-import os
-import subprocess
-import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -88,16 +89,26 @@ class GenerationInterrupted(Exception):
     call is dropped (no generation of it is returned) and the engine stays usable."""
 
 
+class EngineUpdateError(RuntimeError):
+    """:meth:`Engine.load_weights` could not load a version (e.g. its server refused it or could not be
+    reached): :attr:`Engine.version` is unchanged and the engine stays usable; the message says why and
+    what the engine holds now. The RaaS worker logs it, keeps rolling out with the old version and
+    tries again at its next weight sync."""
+
+
 class Engine(abc.ABC):
     """A rollout inference engine for one policy.
 
     Attributes:
         interrupt: when set, stops a :meth:`generate` in progress (or about to start) with
             :class:`GenerationInterrupted`; None (the default) never interrupts. Checked by
-            :class:`HFEngine` before each decode step; :class:`SGLangEngine` ignores it.
+            :class:`HFEngine` before each decode step; ``SGLangEngine`` ignores it.
     """
 
     interrupt: threading.Event | None = None
+    #: True for an engine whose server reads new weight versions from the store itself (``pull(store_uri, run,
+    #: policy, version, sha256)``, :class:`producers.vllm_engine.VLLMEngine`) instead of :meth:`load_weights`.
+    pulls_from_store: bool = False
 
     @property
     @abc.abstractmethod
@@ -132,6 +143,7 @@ class Engine(abc.ABC):
         Raises:
             KeyError: a name the model does not have.
             ValueError: a tensor whose shape does not match.
+            EngineUpdateError: the engine could not load them (engines with a server); the version is unchanged.
         """
 
     def stop_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
@@ -289,167 +301,3 @@ class HFEngine(Engine):
             for name, value in state_dict.items():
                 params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
             self._version = int(version)
-
-
-class SGLangEngine(Engine):
-    """A client of an SGLang server (``python -m sglang.launch_server``), for GPUs.
-
-    Generation uses the native ``POST /generate`` with ``input_ids`` and
-    ``return_logprob``; weights are loaded with ``POST /update_weights_from_disk``
-    (a ``save_pretrained`` directory). HTTP calls are retried with exponential
-    backoff on connection errors and 5xx responses. ``SamplingParams.seed`` is
-    not sent (the server samples from its own ``--random-seed`` stream).
-    :attr:`Engine.interrupt` is ignored: a request runs to its end.
-
-    Args:
-        url: the server's base URL; with ``launch=True`` the port is taken from it
-            (default ``http://127.0.0.1:30000``).
-        model_path: the model directory (also loads the tokenizer locally).
-        launch: start a server subprocess (stopped by :meth:`close`); otherwise attach.
-        version: the version of the weights the server holds.
-        launch_args: extra ``launch_server`` arguments.
-        startup_timeout_s: seconds to wait for ``/health`` after a launch.
-        timeout_s: per-request HTTP timeout, seconds.
-
-    Raises:
-        RuntimeError: the launched server exits or is not healthy within ``startup_timeout_s``.
-    """
-
-    def __init__(self, url: str | None = None, model_path: str | Path | None = None, launch: bool = False,
-                 version: int = 0, launch_args: tuple[str, ...] = (), startup_timeout_s: float = 600.0,
-                 timeout_s: float = 600.0) -> None:
-        import httpx
-        from transformers import AutoTokenizer
-
-        if model_path is None:
-            raise ValueError("SGLangEngine needs model_path (for the tokenizer and for launching)")
-        self.url = (url or "http://127.0.0.1:30000").rstrip("/")
-        self.model_path = str(model_path)
-        self._tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self._version = version
-        self._client = httpx.Client(base_url=self.url, timeout=timeout_s)
-        self._proc: subprocess.Popen | None = None
-        if launch:
-            self._launch(launch_args, startup_timeout_s)
-
-    def _launch(self, launch_args: tuple[str, ...], startup_timeout_s: float) -> None:
-        import httpx
-
-        host, port = httpx.URL(self.url).host, httpx.URL(self.url).port or 30000
-        env = dict(os.environ, SGLANG_RETURN_ORIGINAL_LOGPROB="false")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
-             "--host", host, "--port", str(port), *launch_args], env=env)
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"sglang.launch_server exited with code {self._proc.returncode}")
-            try:
-                if self._client.get("/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(1.0)
-        self.close()
-        raise RuntimeError(f"sglang server at {self.url} not healthy after {startup_timeout_s} s")
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def _post(self, path: str, payload: dict[str, Any]) -> Any:
-        import httpx
-        from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
-
-        def transient(exc: BaseException) -> bool:
-            if isinstance(exc, httpx.HTTPStatusError):
-                return exc.response.status_code >= 500
-            return isinstance(exc, httpx.TransportError)
-
-        @retry(retry=retry_if_exception(transient), stop=stop_after_attempt(5),
-               wait=wait_exponential(multiplier=0.5, max=10), reraise=True)
-        def call() -> Any:
-            response = self._client.post(path, json=payload)
-            response.raise_for_status()
-            return response.json()
-
-        return call()
-
-    def generate(self, batch: list[list[int]], sampling: SamplingParams) -> list[Generation]:
-        """See :meth:`Engine.generate`. Raises RuntimeError when the server aborts a request."""
-        _check_prompts(batch)
-        params: dict[str, Any] = {
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "stop_token_ids": list(self.stop_ids(sampling)),
-            "ignore_eos": sampling.stop_token_ids is not None,
-            "skip_special_tokens": False,
-        }
-        version = self._version
-        result = self._post("/generate", {"input_ids": [list(map(int, b)) for b in batch],
-                                          "sampling_params": params, "return_logprob": True})
-        if isinstance(result, dict):
-            result = [result]
-        out = []
-        for item in result:
-            triples = item["meta_info"]["output_token_logprobs"]  # [(logprob, token_id, text), ...]
-            reason = item["meta_info"].get("finish_reason") or {}
-            kind = reason.get("type") if isinstance(reason, dict) else str(reason)
-            if kind == "abort":
-                raise RuntimeError(f"sglang aborted a request: {reason.get('message', reason)}")
-            out.append(Generation(
-                output_ids=np.array([t[1] for t in triples], dtype=np.int32),
-                logprobs=np.array([t[0] for t in triples], dtype=np.float32),
-                finish_reason="length" if kind == "length" else "stop", version=version))
-        return out
-
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Save ``state_dict`` into a copy of the model directory and load it with ``/update_weights_from_disk``.
-
-        The state dict must be complete (every parameter): SGLang reloads from disk.
-
-        Raises:
-            RuntimeError: the server reports ``success: false``.
-        """
-        import shutil
-        import tempfile
-
-        from safetensors.torch import save_file
-
-        target = Path(tempfile.mkdtemp(prefix=f"astraflow-sglang-v{version}-"))
-        for f in Path(self.model_path).iterdir():  # config, tokenizer, generation config; not the weights
-            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json")):
-                shutil.copy2(f, target / f.name)
-        # copies: tied weights share memory, which safetensors refuses to save
-        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()},
-                  target / "model.safetensors")
-        try:
-            self.load_weights_from_disk(target, version)
-        finally:
-            shutil.rmtree(target, ignore_errors=True)
-
-    def load_weights_from_disk(self, model_path: str | Path, version: int) -> None:
-        """Tell the server to reload weights from ``model_path`` (a ``save_pretrained`` directory).
-
-        Raises:
-            RuntimeError: the server reports ``success: false``.
-        """
-        result = self._post("/update_weights_from_disk", {"model_path": str(model_path)})
-        if not result.get("success", False):
-            raise RuntimeError(f"sglang update_weights_from_disk({model_path}) failed: {result.get('message')}")
-        self._version = int(version)
-
-    def close(self) -> None:
-        """Close the HTTP client and stop a launched server."""
-        self._client.close()
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from astraflow.config import RunConfig
 from astraflow.models import resolve_model
-from producers.engines import Engine, GenerationInterrupted, HFEngine, SamplingParams
+from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, HFEngine, SamplingParams
 from producers.workflows import get_workflow, prompt_ids
 from topics.bus import Bus, BusError, TopicPartition, connect
 from topics.patience import patiently
@@ -52,13 +52,27 @@ log = logging.getLogger(__name__)
 
 
 def make_engine(cfg: RunConfig, policy: str) -> Engine:
-    """The inference engine of ``policy``: HFEngine (CPU default) or SGLangEngine."""
+    """The inference engine of ``policy``: HFEngine (CPU default); SGLangEngine, which attaches to
+    ``sglang.url`` or launches a server on ``sglang.port`` (None: a free port) with ``sglang.launch_args``;
+    or VLLMEngine, a client of the server at ``vllm.url`` (or the one ``astraflow run`` started).
+
+    Raises:
+        ValueError: ``engine: vllm`` without ``vllm.url``.
+    """
     pc = cfg.policies[policy]
     if pc.engine == "sglang":
-        from producers.engines import SGLangEngine
+        from producers.sglang_engine import SGLangEngine
 
-        return SGLangEngine(url=pc.sglang_url, model_path=str(resolve_model(pc.model)),
-                            launch=pc.sglang_url is None)
+        sc = pc.sglang
+        return SGLangEngine(resolve_model(pc.model), url=sc.url, port=sc.port, launch_args=tuple(sc.launch_args),
+                            startup_timeout_s=sc.startup_timeout_s)
+    if pc.engine == "vllm":
+        from producers.vllm_engine import VLLMEngine
+
+        if pc.vllm.server is None:
+            raise ValueError(f"policies.{policy}.vllm.url is not set: a RaaS worker started by hand needs the URL of "
+                             "a running server (`astraflow run` starts one and tells its workers)")
+        return VLLMEngine(pc.vllm.server, resolve_model(pc.model), startup_timeout_s=pc.vllm.startup_timeout_s)
     return HFEngine(resolve_model(pc.model))
 
 
@@ -116,16 +130,29 @@ class RaasWorker:
     # -- weights and backpressure ---------------------------------------------------------
     def sync_weights(self) -> None:
         """Pull each policy to its newest durable version (announced and in the store); on failure
-        keep the old weights."""
+        keep the old weights.
+
+        Failures are logged and retried at the next call: the store could not serve the version
+        (:class:`WeightsUnavailable`), or the engine could not load it (:class:`EngineUpdateError`,
+        raised through the puller's ``on_update`` after the puller's own copy moved on; the next call
+        hands that copy to the engine again).
+        """
         for p, puller in self.pullers.items():
             puller.poll()
             newest = puller.newest_durable()
-            if newest is not None and newest > self.engines[p].version:
+            engine = self.engines[p]
+            if newest is not None and newest > engine.version:
                 try:
+                    if engine.pulls_from_store:  # the vLLM server reads the store itself
+                        engine.pull(self.cfg.store, self.cfg.run, p, newest, puller.announced[newest].sha256)
+                        log.info("%s: policy %s now at version %d", self.id, p, engine.version)
+                        continue
                     puller.sync(newest)
-                    log.info("%s: policy %s now at version %d", self.id, p, self.engines[p].version)
-                except WeightsUnavailable as e:
-                    log.warning("%s: keeping version %d of %s: %s", self.id, self.engines[p].version, p, e)
+                    if puller.version is not None and puller.version > engine.version:
+                        engine.load_weights(puller.state, puller.version)  # an earlier load failed
+                    log.info("%s: policy %s now at version %d", self.id, p, engine.version)
+                except (WeightsUnavailable, EngineUpdateError) as e:
+                    log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p, e)
 
     def inflight_limit(self, policy: str) -> int:
         """Groups of ``policy`` allowed in flight: ``raas.max_inflight_groups`` when set, else
@@ -314,7 +341,8 @@ class RaasWorker:
             self.close()
 
     def close(self) -> None:
-        """Flush, leave the group and stop following weights."""
+        """Flush, leave the group, stop following weights and close the engines (a launched SGLang
+        server is stopped)."""
         try:
             self._last_metric = 0.0
             self._maybe_metrics()
@@ -324,3 +352,7 @@ class RaasWorker:
             self.progress.close()
             for puller in self.pullers.values():
                 puller.close()
+            for engine in self.engines.values():
+                close = getattr(engine, "close", None)
+                if close is not None:
+                    close()

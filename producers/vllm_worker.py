@@ -6,27 +6,63 @@ vLLM worker (``self.model_runner.model`` is the ``nn.Module`` being served).
 They are reached over HTTP with the dev-mode endpoint (server started with
 ``VLLM_SERVER_DEV_MODE=1``)::
 
-    POST /collective_rpc {"method": "load_safetensors", "args": ["/path/w.safetensors"]}
-      -> {"results": ["<tensor count>", ...]}          # one entry per worker
-    POST /collective_rpc {"method": "weights_checksum"}
-      -> {"results": ["<sha256 hex>", ...]}
+    POST /collective_rpc {"method": "astraflow_pull",
+                          "args": [store_uri, run, policy, version, sha256]}
+      -> {"results": ["<sha256 of the loaded version>", ...]}   # one entry per worker
 
 (the endpoint passes string arguments only and returns non-JSON results as
-``str``), or in process with ``LLM.collective_rpc("load_safetensors", args=(path,))``.
-``scripts/vllm_smoke.py`` shows the whole round trip on the CPU backend.
+``str``), or in process with ``LLM.collective_rpc("astraflow_pull", args=(...))``.
+``tests/producers/test_vllm_engine.py`` runs the whole round trip on the CPU backend.
 
-Self-contained on purpose: this module imports torch, safetensors and vLLM only
-inside the methods and imports nothing else from AstraFlow, so it loads in the
-vLLM venv (``.venv-vllm``, ``scripts/install_vllm.sh``) and importing it
-anywhere else costs nothing. vLLM refuses an extension whose attribute names
-clash with the worker's, so the class defines only the two public methods;
-helpers are module-level functions.
+``astraflow_pull`` is how a run updates the server: the worker itself brings
+its weights to a version from AstraFlow's weight store with the same
+:class:`weights.puller.Puller` (and planner: delta chain or full snapshot,
+every step verified by checksum) that RaaS workers use, keeps the verified
+host copy in checkpoint layout, and hands vLLM only the layers whose tensors
+changed since the last update, from memory: no file per version.
+
+This module imports torch, safetensors, vLLM and AstraFlow's ``weights``
+package only inside the methods, so it loads in the vLLM venv (``.venv-vllm``,
+``scripts/install_vllm.sh``, which carries the store and codec dependencies)
+and importing it anywhere else costs nothing. vLLM refuses an extension whose
+attribute names clash with the worker's, so the class defines only ``astraflow_``
+methods; helpers and state are module-level.
+
+Loading goes through the model runner's ``reload_weights(weights_iterator=...,
+is_checkpoint_format=True)`` (vLLM 0.32's CPU and GPU runners have it; older ones
+get ``model.load_weights``): each layer is put back into checkpoint layout,
+loaded, then re-processed. A bare ``model.load_weights`` fails on the CPU backend,
+whose linear layers repack their weights for oneDNN after loading and leave an
+empty ``weight`` parameter ("Attempted to load weight (torch.Size([128, 256])) into
+parameter (torch.Size([0]))"). The layerwise path needs each vLLM layer given
+whole, every checkpoint tensor that feeds it (``qkv_proj``: q, k, v and their
+biases; ``gate_up_proj``: gate and up): a layer given in part is rebuilt with the
+missing part uninitialised, silently. :func:`whole_layers` sees to that. (For the
+same reason the served linear weights cannot be read back on the CPU backend:
+the checksum an update returns is that of the verified host copy it loaded from.)
 """
 from __future__ import annotations
 
-import os
+import re
+from typing import Any
 
-__all__ = ["AstraflowWorkerExtension"]
+#: A decoder layer's sub-block (``model.layers.3.self_attn``, ``model.layers.3.mlp``): vLLM fuses the
+#: projections inside one (``qkv_proj``, ``gate_up_proj``), so an update hands over the whole sub-block.
+_SUB_BLOCK = re.compile(r"^(.*\.layers\.\d+\.[^.]+)\.")
+#: (store URI, run, policy) -> the Puller holding this worker's verified host copy of that policy.
+_PULLERS: dict[tuple[str, str, str], Any] = {}
+
+
+def whole_layers(changed: set[str] | None, names: list[str]) -> list[str]:
+    """The checkpoint tensor names to hand vLLM so that every layer holding a ``changed`` tensor is given
+    whole (module docstring): for a tensor inside a decoder layer's sub-block (attention,
+    MLP), every tensor of that sub-block; other tensors alone. ``changed`` None: all ``names``.
+    Returns names in the order of ``names``."""
+    if changed is None:
+        return list(names)
+    prefixes = {m.group(1) + "." for n in changed if (m := _SUB_BLOCK.match(n))}
+    return [n for n in names if n in changed or any(n.startswith(p) for p in prefixes)]
+
 
 
 def _served_model(worker):
@@ -56,107 +92,63 @@ class AstraflowWorkerExtension:
     were cached under the old weights reuse them.
     """
 
-    def load_safetensors(self, path: str) -> int:
-        """Load the tensors of a safetensors file into the served model, in place.
+    def astraflow_pull(self, store_uri: str, run: str, policy: str, version: str, sha256: str) -> str:
+        """Bring the served model to ``version`` of ``policy`` from AstraFlow's weight store, in place.
 
-        The file holds checkpoint-format tensors: Hugging Face names and shapes
-        (``model.layers.0.self_attn.q_proj.weight``: float[num_heads*head_dim, hidden]),
-        any float dtype (cast to the parameter's dtype by vLLM's loaders); they are
-        read on CPU one at a time and handed to vLLM as an iterator of
-        ``(name, tensor)``. A subset of the model is allowed, with a caveat below.
-
-        Where the model runner has ``reload_weights`` (vLLM 0.32's CPU and GPU runners do)
-        the tensors go through ``model_runner.reload_weights(weights_iterator=...,
-        is_checkpoint_format=True)``, which calls ``model.load_weights(weights)`` with
-        vLLM's layerwise reload around it: each layer is put back into checkpoint
-        layout, loaded, then re-processed (``process_weights_after_loading``). That
-        is required on the CPU backend, whose linear layers repack their weights for
-        oneDNN / AMX kernels after loading and leave an empty ``weight`` parameter
-        (``qkv_proj.weight``: float32[0]), so there a bare ``model.load_weights`` fails
-        ("Attempted to load weight (torch.Size([128, 256])) into parameter
-        (torch.Size([0]))") after loading the tensors that came before.
-
-        Caveat of the layerwise path: a vLLM layer must be given whole, every
-        checkpoint tensor that feeds it (``qkv_proj``: the q, k and v weights and,
-        for Qwen2, their biases; ``gate_up_proj``: gate and up). Layers absent from
-        the file keep their weights (vLLM logs "Failed to load weights" for each); a
-        layer given in part is rebuilt with the missing part left as uninitialised
-        memory (``torch.empty_strided``), silently. Older runners without
-        ``reload_weights`` get ``model_runner.model.load_weights(weights=...)``.
+        The first call pulls a full snapshot into a host copy (float tensors in checkpoint layout, the
+        published dtype); later calls apply the cheapest verified chain of deltas (or a snapshot) to that
+        copy, as :meth:`weights.puller.Puller.sync` does for a RaaS worker. Then only the decoder
+        sub-blocks and other tensors that changed (:func:`whole_layers`) are streamed from the host copy
+        into vLLM through the runner's ``reload_weights`` (module docstring). Requests in
+        flight meanwhile may see a mix: callers wait for their batch first, and reset the prefix cache.
 
         Args:
-            path: the ``.safetensors`` file, readable by the worker process (same
-                machine or a shared filesystem).
+            store_uri: the store root (``file:///...`` or ``s3://...``; S3 credentials from the
+                server's environment).
+            run, policy: whose weights.
+            version: the target version (a decimal string: collective_rpc passes strings).
+            sha256: the announcement's checksum (:func:`weights.codec.state_sha256`) the result must have.
 
         Returns:
-            the number of tensors read from the file and handed to vLLM.
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            ValueError: the file holds no tensors.
-            RuntimeError: the worker has no loaded model (see ``_served_model``).
-            Exception: whatever vLLM's loaders raise for a name the model does not
-                have (usually ``KeyError``) or a shape that does not fit (``AssertionError``);
-                tensors before the bad one may already be loaded.
+            The checksum of the host copy now loaded, verified equal to ``sha256``; or, when the version
+            could not be loaded, ``"error: <type>: <message>"``. It never raises: vLLM shuts the whole
+            server down when a worker's RPC raises. A version that was not reached (no verified chain, a
+            checksum that differs) leaves the served weights as they were; a failure while handing
+            tensors to vLLM drops the host copy, so the next call loads a whole snapshot again.
         """
-        from safetensors import safe_open
+        key = (store_uri, run, policy)
+        try:
+            return self._astraflow_pull(key, int(version), sha256)
+        except Exception as e:  # noqa: BLE001  (reported to the client; raising would stop the server)
+            return f"error: {type(e).__name__}: {e}"
 
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"load_safetensors: no file {path!r}")
-        model = _served_model(self)
-        count = 0
-        with safe_open(path, framework="pt", device="cpu") as handle:
-            names = list(handle.keys())
-            if not names:
-                raise ValueError(f"load_safetensors: {path!r} holds no tensors")
+    def _astraflow_pull(self, key: tuple[str, str, str], version: int, sha256: str) -> str:
+        from topics.names import TopicNames
+        from weights.puller import Puller
+        from weights.store import WeightStore
 
-            def weights():
-                nonlocal count
-                for name in names:
-                    count += 1
-                    yield name, handle.get_tensor(name)
+        store_uri, run, policy = key
+        puller = _PULLERS.get(key)
+        if puller is None:
+            puller = _PULLERS[key] = Puller(WeightStore(store_uri, run), None, TopicNames(run), policy)
 
+        def hand_over(state: dict, _version: int) -> None:
+            names = whole_layers(puller.changed, sorted(state))
+            weights = ((n, state[n]) for n in names)
             runner = self.model_runner
-            if hasattr(runner, "reload_weights"):
-                runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
-            else:
-                model.load_weights(weights=weights())
-        return count
+            _served_model(self)
+            try:
+                if hasattr(runner, "reload_weights"):
+                    runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+                else:
+                    runner.model.load_weights(weights=weights)
+            except Exception:
+                del _PULLERS[key]  # vLLM may hold part of it: start over from a snapshot next time
+                raise
 
-    def weights_checksum(self) -> str:
-        """A sha256 hex digest of the served model's parameters, as this worker holds them.
-
-        Recipe: ``h = hashlib.sha256()``; for each ``(name, p)`` of
-        ``model.named_parameters()`` sorted by name:
-        ``h.update(f"{name}|{dtype}|{shape}\\n".encode())`` with ``dtype`` as
-        ``str(p.dtype)`` (``torch.float32``) and ``shape`` as ``",".join(map(str, p.shape))``,
-        then ``h.update(<p's bytes>)``, the bytes being
-        ``p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()``
-        (native little-endian; works for bfloat16 too). Returns ``h.hexdigest()``.
-
-        It fingerprints vLLM's layout, not the checkpoint's: fused parameters
-        (``qkv_proj``, ``gate_up_proj``), padded vocabularies, tied embeddings once,
-        and with tensor parallelism this worker's shard only (collective_rpc returns
-        one digest per worker). Equal digests across workers of the same layout, or
-        before and after loading the same file, mean equal weights. On the CPU
-        backend the linear layers' ``weight`` parameters are empty (their values
-        live in prepacked oneDNN / AMX buffers that torch cannot read back), so there
-        the digest covers embeddings, norms, biases and the names/shapes of the
-        rest: it changes when any of those change, but does not see a change
-        confined to linear weights; compare outputs (logprobs) for those.
-
-        Raises:
-            RuntimeError: the worker has no loaded model.
-        """
-        import hashlib
-
-        import torch
-
-        model = _served_model(self)
-        digest = hashlib.sha256()
-        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-            shape = ",".join(map(str, param.shape))
-            digest.update(f"{name}|{param.dtype}|{shape}\n".encode())
-            data = param.detach().cpu().contiguous().view(-1)
-            digest.update(data.view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()
+        puller.on_update = hand_over
+        puller.sync(version, expect_sha256=sha256)
+        if puller.sha256 != sha256:
+            raise RuntimeError(f"astraflow_pull: policy {policy!r} is at version {puller.version} "
+                               f"(sha256 {puller.sha256}), not {version} ({sha256})")
+        return puller.sha256

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the whole test suite. Installs .venv if needed and starts a local Kafka
+# Run the whole test suite. Installs .venv and .venv-vllm if needed and starts a local Kafka
 # broker (scripts/kafka-local.sh) when none answers on 127.0.0.1:${KAFKA_PORT:-9092};
 # a broker this script started is stopped at the end. Tests run on PYTEST_WORKERS
 # processes (pytest-xdist; default 2, one per core of a CI machine; 0 runs them in this process).
@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/install.sh dev
+scripts/install_vllm.sh   # vLLM's CPU backend in .venv-vllm, for the vLLM engine's tests and example
 started=0
 if ! scripts/kafka-local.sh status >/dev/null 2>&1; then
   scripts/kafka-local.sh start

@@ -52,6 +52,25 @@ def test_arith_tiny_learns_within_ten_minutes(tmp_path, bus_url):
 
 
 @pytest.mark.slow
+@pytest.mark.learning
+def test_arith_tiny_learns_with_every_rollout_on_vllm(tmp_path):
+    """examples/arith-tiny-vllm.yaml: `astraflow run` starts a vLLM CPU server, every rollout is generated there, and
+    the server pulls each version itself; every pull is checked against its announcement's checksum (a
+    mismatch is a "keeping version" warning in the worker's log)."""
+    run = f"vllm{uuid.uuid4().hex[:8]}"
+    s = summary_of(astraflow("run", "examples/arith-tiny-vllm.yaml", f"run={run}", f"run_dir={tmp_path}",
+                             timeout=1500))
+    assert s["versions"] == {"actor": 400}, s
+    assert s["reward_last"] - s["reward_first"] >= 0.15, s
+    components = json.loads((tmp_path / "components.json").read_text())
+    assert components["vllm.actor"]["exit_code"] is not None and components["raas-0"]["exit_code"] == 0
+    log = (tmp_path / "logs" / "raas-0.log").read_text()
+    updates = re.findall(r"policy actor now at version (\d+)", log)
+    assert len(updates) >= 20 and int(updates[-1]) >= 390, updates[-5:]
+    assert "keeping version" not in log and "HFEngine" not in log
+
+
+@pytest.mark.slow
 def test_replay_serves_its_ratio_of_each_batch_within_its_bound(tmp_path):
     # ratio 0.5 of 16 groups: 8 fresh and up to 8 replayed per step (none at the first step: the pool is
     # empty; fewer when the pool's servable groups run short). Fresh groups are at most 2 versions old

@@ -1,4 +1,5 @@
-"""HFEngine on the tiny model: batching, stopping, logprob exactness, weight loading, interruption; SGLang on a GPU."""
+"""HFEngine on the tiny model: batching, stopping, logprob exactness, weight loading, interruption (SGLang:
+test_sglang_engine.py)."""
 import threading
 
 import numpy as np
@@ -128,64 +129,3 @@ def test_bad_sampling_params_are_rejected():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
-
-
-@pytest.mark.gpu
-def test_sglang_engine_logprobs_and_weight_update(tiny_model_dir, tmp_path):
-    pytest.importorskip("sglang")
-    from producers.engines import SGLangEngine
-
-    eng = SGLangEngine(url="http://127.0.0.1:30123", model_path=tiny_model_dir, launch=True,
-                       launch_args=("--mem-fraction-static", "0.2", "--dtype", "float32"))
-    try:
-        ref = HFEngine(tiny_model_dir, dtype=torch.float32)
-        batch = _encode(ref, PROMPTS)
-
-        def logprob_error() -> float:
-            """Mean |server logprob - reference logprob| of 8 sampled tokens per prompt, at T=0.7."""
-            gens = eng.generate(batch, SamplingParams(max_new_tokens=8, temperature=0.7, stop_token_ids=()))
-            diffs = []
-            with torch.inference_mode():
-                for prompt, g in zip(batch, gens):
-                    assert len(g.output_ids) == 8
-                    ids = torch.tensor([prompt + g.output_ids.tolist()])
-                    logits = ref.model(ids).logits[0, len(prompt) - 1:-1].float()
-                    lp = torch.log_softmax(logits / 0.7, -1).gather(1, ids[0, len(prompt):, None])[:, 0]
-                    diffs.append(np.abs(lp.numpy() - g.logprobs))
-            return float(np.concatenate(diffs).mean())
-
-        assert logprob_error() < 1e-2
-        # New weights (the output layer tripled: a different distribution), pushed to the server
-        # in place: its logprobs must follow them, and no longer match the old weights.
-        state = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
-        head = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"
-        state[head] *= 3.0
-        eng.load_weights(state, version=1)
-        assert eng.version == 1
-        assert logprob_error() > 0.1  # the reference still holds the old weights
-        ref.model.load_state_dict(state)
-        assert logprob_error() < 1e-2
-    finally:
-        eng.close()
-
-
-def test_tiny_model_is_calibrated(engine, tiny_model_dir):
-    """The tiny model solves a clear minority of a+b (a, b <= 19) at temperature 1, and its tokenizer is lossless."""
-    import json
-
-    from producers.workflows import prompt_ids
-
-    calib = json.loads((tiny_model_dir / "calibration.json").read_text())
-    assert 0.2 <= calib["sampled_accuracy"] <= 0.5 and 250_000 <= calib["params"] <= 400_000
-    tok = engine.tokenizer
-    text = "Solve: what is 12 + 7?\nAnswer with a number {like this}."
-    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
-    assert prompt_ids(tok, text) == tok.encode(text) and tok.encode(text)[0] == tok.bos_token_id
-    problems = [(a, b) for a in range(20) for b in range(20)]
-    wide = HFEngine(tiny_model_dir, dtype=torch.float32, max_batch=len(problems))
-    gens = wide.generate(_encode(engine, [f"{a}+{b}=" for a, b in problems]),
-                         SamplingParams(max_new_tokens=3, temperature=1.0, seed=11))
-    solved = [g.finish_reason == "stop" and tok.decode(g.output_ids[:-1]) == str(a + b)
-              for g, (a, b) in zip(gens, problems)]
-    print(f"sampled accuracy {np.mean(solved):.3f}")
-    assert 0.12 <= np.mean(solved) <= 0.6

@@ -1,0 +1,110 @@
+"""The vLLM engine on a real vLLM CPU server (``.venv-vllm``, scripts/install_vllm.sh) serving the tiny model:
+behaviour logprobs equal the trainer's recompute on the same weights, and a weight update, pulled by the
+server itself from the store (a full snapshot, then a sparse delta), changes what it generates while parity
+holds; a wrong checksum is refused with the old weights kept."""
+import uuid
+
+import pytest
+import torch
+
+from producers.engines import EngineUpdateError, HFEngine, SamplingParams
+from producers.vllm_engine import VLLMEngine
+from producers.vllm_server import VLLMServer
+from producers.workflows import prompt_ids
+from topics.bus import connect
+from topics.names import TopicNames
+from trainer.model import load_causal_lm, token_logprobs
+from weights.publisher import Publisher
+from weights.store import WeightStore
+
+PROMPTS = ["3+4=", "12+9=", "7+15=", "1+1="]
+SAMPLING = SamplingParams(max_new_tokens=6, temperature=0.6, seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    with VLLMServer(tiny_model_dir, log, dtype="float32", max_model_len=256) as s:
+        s.wait_healthy(600)
+        yield s
+
+
+def recompute(model, batch, gens, temperature):
+    """The trainer's teacher-forced logprobs of each generated token (trainer.model.token_logprobs)."""
+    out = []
+    with torch.no_grad():
+        for prompt, g in zip(batch, gens):
+            ids = torch.tensor([prompt + g.output_ids.tolist()])
+            logp, _ = token_logprobs(model, ids, torch.ones_like(ids), temperature)
+            out.append(logp[0, len(prompt):])
+    return out
+
+
+def max_gap(model, batch, gens, temperature=SAMPLING.temperature) -> float:
+    return max(float((torch.from_numpy(g.logprobs) - r).abs().max())
+               for g, r in zip(gens, recompute(model, batch, gens, temperature)))
+
+
+def perturbed(state, names, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v + scale * v.std() * torch.randn(v.shape, generator=g) if k in names else v.clone())
+            for k, v in state.items()}
+
+
+@pytest.mark.slow
+def test_vllm_logprobs_match_the_trainer_and_updates_change_the_policy(server, tiny_model_dir, tmp_path):
+    engine = VLLMEngine(server.url, tiny_model_dir, startup_timeout_s=60)
+    batch = [prompt_ids(engine.tokenizer, p) for p in PROMPTS] * 4
+    model = load_causal_lm(tiny_model_dir, "float32")
+    before = engine.generate(batch, SAMPLING)
+    assert len(before) == len(batch) and all(len(g.output_ids) >= 1 for g in before)
+    assert max_gap(model, batch, before) < 1e-5
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    greedy_before = engine.generate(batch[:4], greedy)
+    assert max_gap(model, batch[:4], greedy_before, temperature=1.0) < 1e-5
+
+    # version 1: every tensor perturbed (a full snapshot); version 2: one attention projection only (a delta)
+    run, store_uri = f"vllm{uuid.uuid4().hex[:8]}", (tmp_path / "store").as_uri()
+    bus = connect(f"local://{tmp_path / 'bus'}")
+    names = TopicNames(run)
+    bus.admin().create_topic(names.weights, partitions=1, compacted=True)
+    publisher = Publisher(WeightStore(store_uri, run), bus, names, "actor")
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    v1 = perturbed(base, set(base), 0.5, seed=1)
+    v2 = perturbed(v1, {"model.layers.0.self_attn.k_proj.weight"}, 2.0, seed=2)
+    shas = {}
+    for version, state in ((1, v1), (2, v2)):
+        publisher.publish(state, version)
+        assert publisher.wait(60)
+        shas[version] = publisher.announcements[-1].sha256
+    publisher.close()
+    assert WeightStore(store_uri, run).versions("actor")[2].get("delta") is not None, "version 2 should be a delta"
+
+    for version, state in ((1, v1), (2, v2)):
+        engine.pull(store_uri, run, "actor", version, shas[version])
+        assert engine.version == version
+        model.load_state_dict(state)
+        after = engine.generate(batch[:4], greedy)
+        assert max_gap(model, batch[:4], after, temperature=1.0) < 1e-5, f"parity after version {version}"
+        sampled = engine.generate(batch, SAMPLING)
+        assert max_gap(model, batch, sampled) < 1e-5
+    changed = [(a.output_ids.tolist(), a.logprobs.tolist()) != (b.output_ids.tolist(), b.logprobs.tolist())
+               for a, b in zip(greedy_before, after)]
+    assert all(changed), "an update left vLLM's greedy continuations unchanged"
+
+    with pytest.raises(EngineUpdateError, match="version 2"):
+        engine.pull(store_uri, run, "actor", 2, "0" * 64)
+    assert engine.version == 2
+    assert max_gap(model, batch[:4], engine.generate(batch[:4], greedy), temperature=1.0) < 1e-5
+    engine.close()
+
+
+def test_hf_engine_logprobs_match_the_trainer_after_an_update(tiny_model_dir):
+    engine = HFEngine(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir, "float32")
+    batch = [prompt_ids(engine.tokenizer, p) for p in PROMPTS] * 4
+    state = perturbed({k: v.detach().clone() for k, v in model.state_dict().items()}, set(model.state_dict()),
+                      0.5, seed=3)
+    engine.load_weights(state, 1)
+    model.load_state_dict(state)
+    assert max_gap(model, batch, engine.generate(batch, SAMPLING)) < 1e-5
