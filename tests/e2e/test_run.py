@@ -60,13 +60,13 @@ def test_arith_tiny_learns_with_every_rollout_on_vllm(tmp_path):
     run = f"vllm{uuid.uuid4().hex[:8]}"
     s = summary_of(astraflow("run", "examples/arith-tiny-vllm.yaml", f"run={run}", f"run_dir={tmp_path}",
                              timeout=1500))
-    assert s["versions"] == {"actor": 400}, s
-    assert s["reward_last"] - s["reward_first"] >= 0.15, s
+    assert s["versions"] == {"actor": 200}, s
+    assert s["reward_last"] - s["reward_first"] >= 0.15, s  # +0.244 measured
     components = json.loads((tmp_path / "components.json").read_text())
-    assert components["vllm.actor"]["exit_code"] is not None and components["raas-0"]["exit_code"] == 0
+    assert components["vllm.actor"]["exit_code"] == 0 and components["raas-0"]["exit_code"] == 0
     log = (tmp_path / "logs" / "raas-0.log").read_text()
     updates = re.findall(r"policy actor now at version (\d+)", log)
-    assert len(updates) >= 20 and int(updates[-1]) >= 390, updates[-5:]
+    assert len(updates) >= 20 and int(updates[-1]) >= 190, updates[-5:]
     assert "keeping version" not in log and "HFEngine" not in log
 
 
