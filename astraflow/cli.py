@@ -7,6 +7,7 @@ overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
 """
 import json
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -155,7 +156,9 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     """Run one policy's trainer: consume `samples.<policy>` (group `trainer.<policy>`), train with
     GRPO/PPO, publish weights to the store and `weights`. Resumes from its last checkpoint;
     SIGTERM checkpoints and stops. With `coupling: barrier` it starts step v+1 only once every
-    other policy of the config has announced version v."""
+    other policy of the config has announced version v. With `trainer.ranks` N > 1 run it under
+    `torchrun --standalone --nproc_per_node N -m astraflow trainer ...` (as `astraflow run` does):
+    rank 0 reads the bus, publishes and checkpoints, all ranks train (FSDP2)."""
     from astraflow.models import resolve_model
     from policies.registry import build_serving
     from topics.bus import connect
@@ -182,6 +185,13 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
                                 checkpoint_every=pc.checkpoint_every, console=False,
                                 barrier_peers={q: c.steps for q, c in cfg.policies.items() if q != policy}
                                 if cfg.coupling == "barrier" and len(cfg.policies) > 1 else None)
+    if service_cfg.trainer.ranks > 1 and int(os.environ.get("RANK", "0")) != 0:
+        # A follower rank of a multi-rank trainer: no bus, no publisher; rank 0 drives it.
+        from trainer.service import run_follower
+
+        summary = run_follower(service_cfg)
+        logging.getLogger(__name__).info("trainer.%s rank %d done: %s", policy, summary["rank"], summary)
+        return
     publisher = Publisher(WeightStore(cfg.store, cfg.run), connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), policy,
                           keep_versions=pc.keep_versions, producer_id=f"trainer.{policy}")
     service = TrainerService(service_cfg, publisher=publisher, replay=replay)

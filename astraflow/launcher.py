@@ -81,6 +81,18 @@ def component_argv(command: str, config_path: Path, overrides: list[str], *extra
     return [sys.executable, "-m", "astraflow", command, str(config_path), *overrides, *extra]
 
 
+def trainer_argv(ranks: int, config_path: Path, overrides: list[str], policy: str) -> list[str]:
+    """The command line of policy ``policy``'s trainer: ``python -m astraflow trainer CONFIG [overrides]
+    --policy P`` on one rank; under ``python -m torch.distributed.run --standalone --nproc_per_node
+    ranks`` (torchrun: one process per rank, ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set) when
+    ``ranks`` > 1."""
+    argv = component_argv("trainer", config_path, overrides, "--policy", policy)
+    if ranks <= 1:
+        return argv
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+            *argv[1:]]
+
+
 #: The environment variable through which a launched component learns its launcher's pid.
 LAUNCHER_PID_ENV = "ASTRAFLOW_LAUNCHER_PID"
 #: Seconds a component whose launcher died has to stop cleanly before it exits hard.
@@ -143,7 +155,7 @@ def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> 
     logs = cfg.run_dir / "logs"
     comps, vllm_urls = vllm_components(cfg, logs)
     for p in cfg.policies:
-        comps.append(Component(f"trainer.{p}", component_argv("trainer", config_path, overrides, "--policy", p),
+        comps.append(Component(f"trainer.{p}", trainer_argv(cfg.policies[p].trainer.ranks, config_path, overrides, p),
                                logs / f"trainer.{p}.log"))
         for i in range(cfg.policies[p].filter_processor.instances):
             name = policy_component(p, i)

@@ -9,6 +9,11 @@ Layout under a checkpoint root::
         meta.json         {"version", "offsets": [[topic, partition, offset], ...], "created_ts", ...}
     LATEST                the name of the newest complete checkpoint
 
+A checkpoint of a multi-rank (FSDP2) trainer (:func:`save_distributed_checkpoint`) has no
+``optimizer.pt``: model and optimizer state are in ``dcp/``, written by every rank with
+``torch.distributed.checkpoint`` (loadable on any number of ranks); ``model/`` holds the gathered
+full weights (for inspection and replays), written by rank 0.
+
 A checkpoint is written into a temporary directory and renamed into place under
 a name no earlier save used, then ``LATEST`` is replaced atomically, and only then
 are older checkpoints pruned; nothing ``LATEST`` names is ever removed or
@@ -49,6 +54,8 @@ class Checkpoint:
     offsets: dict[TopicPartition, int]
     serving: dict[str, Any] = field(default_factory=dict)
     policies: dict[str, Any] = field(default_factory=dict)
+    #: the DCP directory (model + optimizer shards) of a multi-rank checkpoint, else None (``optimizer`` is {})
+    dcp_dir: Path | None = None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -77,16 +84,33 @@ def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, o
         OSError: the write failed; the previous checkpoint stays the latest.
     """
     root = Path(root)
+    name, tmp = _new_tmp(root, version)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp / "model")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+
+    return _complete(root, name, tmp, write, version=version, offsets=offsets, serving=serving,
+                     policies=policies, keep=keep)
+
+
+def _new_tmp(root: Path, version: int) -> tuple[str, Path]:
+    """(the checkpoint's final name, a fresh temporary directory for it) under ``root``."""
     root.mkdir(parents=True, exist_ok=True)
     for orphan in root.glob(".ckpt-*"):  # a save killed before its rename (one writer per root)
         shutil.rmtree(orphan, ignore_errors=True)
     base = f"ckpt-{version:08d}"
     resaves = [_order(p)[1] for p in root.glob(f"{base}*") if p.is_dir()]
     name = base if not resaves else f"{base}.{max(resaves) + 1}"  # never overwrite: LATEST may name it
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    return name, Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+
+
+def _complete(root: Path, name: str, tmp: Path, write, *, version: int, offsets: dict[TopicPartition, int],
+              serving: dict[str, Any] | None, policies: dict[str, Any] | None, keep: int) -> Path:
+    """Run ``write(tmp)``, add state and meta, fsync, rename ``tmp`` to ``root/name``, point LATEST at it
+    and prune; on any error ``tmp`` is removed and the error re-raised."""
     try:
-        model.save_pretrained(tmp / "model")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        write(tmp)
         torch.save({"serving": serving or {}, "policies": policies or {}}, tmp / "state.pt")
         meta = {"version": version, "created_ts": time.time(),
                 "offsets": [[tp.topic, tp.partition, off] for tp, off in sorted(offsets.items())]}
@@ -109,6 +133,49 @@ def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, o
     return final
 
 
+def save_distributed_checkpoint(root: str | Path, *, version: int, backend: Any, model: torch.nn.Module,
+                                offsets: dict[TopicPartition, int], serving: dict[str, Any] | None = None,
+                                policies: dict[str, Any] | None = None, keep: int = 2) -> Path:
+    """:func:`save_checkpoint` for a multi-rank trainer: a collective, called by every rank with the same
+    ``root`` (a file system all ranks share) and ``version``.
+
+    Every rank writes its shards of the model and optimizer to ``dcp/`` through
+    ``backend.save_sharded`` (:meth:`trainer.distributed.FSDPBackend.save_sharded`); rank 0 also
+    writes ``model/`` from the gathered full weights, ``state.pt`` and ``meta.json``, and publishes
+    the checkpoint atomically as :func:`save_checkpoint` does. ``offsets``, ``serving`` and
+    ``policies`` are rank 0's (ignored elsewhere).
+
+    Returns:
+        The checkpoint directory (on every rank).
+
+    Raises:
+        OSError: rank 0's write failed (raised on every rank); the previous checkpoint stays the latest.
+    """
+    from trainer.distributed import broadcast_object, rank
+
+    root = Path(root)
+    first = rank() == 0
+    name, tmp = broadcast_object(_new_tmp(root, version) if first else None)
+    try:
+        backend.save_sharded(tmp / "dcp")
+        full = backend.full_state_dict()
+    except BaseException:
+        if first:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result: Path | str = root / name
+    if first:
+        try:
+            result = _complete(root, name, tmp, lambda t: model.save_pretrained(t / "model", state_dict=full),
+                               version=version, offsets=offsets, serving=serving, policies=policies, keep=keep)
+        except OSError as e:
+            result = f"checkpoint {root / name} not written: {e}"
+    result = broadcast_object(result)
+    if isinstance(result, str):
+        raise OSError(result)
+    return result
+
+
 def _order(path: Path) -> tuple[int, int]:
     """(version, re-save number) of a checkpoint directory ``ckpt-VVVVVVVV[.K]``."""
     version, _, resave = path.name.removeprefix("ckpt-").partition(".")
@@ -125,15 +192,26 @@ def load_latest(root: str | Path) -> Checkpoint | None:
     latest = root / LATEST
     if not latest.is_file():
         return None
-    path = root / latest.read_text().strip()
+    return load_checkpoint(root / latest.read_text().strip(), named_by=latest)
+
+
+def load_checkpoint(path: str | Path, named_by: Path | None = None) -> Checkpoint:
+    """The complete checkpoint directory ``path`` (see :func:`load_latest`).
+
+    Raises:
+        ValueError: it is missing or incomplete.
+    """
+    path = Path(path)
+    latest = named_by or path
     try:
         meta = json.loads((path / "meta.json").read_text())
         state = torch.load(path / "state.pt", weights_only=False)
-        optimizer = torch.load(path / "optimizer.pt", weights_only=False)
+        dcp_dir = path / "dcp" if (path / "dcp").is_dir() else None
+        optimizer = {} if dcp_dir is not None else torch.load(path / "optimizer.pt", weights_only=False)
     except (OSError, ValueError) as e:
         raise ValueError(f"checkpoint {path} named by {latest} is unreadable: {e}") from e
     return Checkpoint(
         path=path, version=int(meta["version"]), model_dir=path / "model", optimizer=optimizer,
         offsets={TopicPartition(t, int(p)): int(o) for t, p, o in meta["offsets"]},
-        serving=state["serving"], policies=state["policies"],
+        serving=state["serving"], policies=state["policies"], dcp_dir=dcp_dir,
     )

@@ -30,6 +30,8 @@ class TrainerConfig(BaseModel):
     master_fp32: bool = Field(default=False, description="keep fp32 parameters, compute in param_dtype (autocast)")
     device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N")
     backend: Literal["torch", "deepspeed"] = Field(default="torch", description="deepspeed: ZeRO, via its launcher")
+    ranks: int = Field(default=1, ge=1, description="processes training this policy together (FSDP2, under "
+                       "torchrun; gloo on CPU, nccl on CUDA); 1: one plain process")
     zero_stage: int = Field(default=2, ge=2, le=3, description="ZeRO stage of the deepspeed backend")
     deepspeed: dict[str, Any] = Field(default_factory=dict, description="overrides of the DeepSpeed config dict")
     lr: float = Field(default=1e-6, gt=0)

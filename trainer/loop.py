@@ -44,11 +44,25 @@ class Trainer:
 
     Attributes:
         version: the version of the current weights: 0 at load, +1 per :meth:`train_step`.
+        rank, world: this process's rank and the number of ranks (0 and 1 unless ``config.ranks > 1``).
+
+    With ``config.ranks`` N > 1 (under torchrun; see :mod:`trainer.distributed`) every rank builds a
+    Trainer (only rank 0 with a ``publisher``) and calls :meth:`train_step` with the same groups; the
+    model is sharded with FSDP2, rank r runs micro-batches r, r+N, ..., rank 0 publishes, and the
+    returned metrics are reduced over the ranks (the same on every rank).
+
+    Raises:
+        RuntimeError: ``config.ranks > 1`` but the process was not started with that many ranks.
     """
 
     def __init__(self, config: TrainerConfig, model_dir: str | Path, *, publisher: WeightPublisher | None = None):
         self.config = config
-        self.device = resolve_device(config.device)
+        if config.ranks > 1:
+            from trainer import distributed
+
+            self.device = distributed.init(config)  # joins the torchrun process group
+        else:
+            self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         load_dtype = "float32" if config.master_fp32 else config.param_dtype
         self.model = load_causal_lm(model_dir, load_dtype, self.device)
@@ -58,15 +72,37 @@ class Trainer:
             from trainer.deepspeed_backend import DeepSpeedBackend
 
             self.backend = DeepSpeedBackend(self.model, config)
+        elif config.ranks > 1:
+            from trainer.distributed import FSDPBackend
+
+            self.backend = FSDPBackend(self.model, config)
         else:
             self.backend = TorchBackend(self.model, config)
         self.optimizer = self.backend.optimizer
         self.publisher = publisher
         self.version = 0
+        #: this process's rank and the number of ranks (0 and 1 unless ``config.ranks > 1``)
+        self.rank, self.world = (torch.distributed.get_rank(), config.ranks) if config.ranks > 1 else (0, 1)
+        # Gathering the full state dict is a collective: every rank joins it when rank 0 publishes.
+        self._gather = publisher is not None
+        if self.world > 1:
+            from trainer.distributed import broadcast_object
+
+            self._gather = bool(broadcast_object(publisher is not None))
 
     # -- state ------------------------------------------------------------
     def restore(self, ckpt: Checkpoint) -> None:
-        """Load a :class:`trainer.checkpoint.Checkpoint`: its weights, optimizer state and version."""
+        """Load a :class:`trainer.checkpoint.Checkpoint`: its weights, optimizer state and version.
+
+        A checkpoint written on several ranks (``ckpt.dcp_dir`` set) is loaded through DCP by every rank
+        (a collective; any number of ranks)."""
+        if ckpt.dcp_dir is not None:
+            if not hasattr(self.backend, "load_sharded"):
+                raise ValueError(f"checkpoint {ckpt.path} was written by a multi-rank trainer (DCP); "
+                                 f"resume it with trainer.ranks > 1")
+            self.backend.load_sharded(ckpt.dcp_dir)
+            self.version = ckpt.version
+            return
         saved = load_causal_lm(ckpt.model_dir, "float32" if self.config.master_fp32 else self.config.param_dtype,
                                self.device)
         self.model.load_state_dict(saved.state_dict())
@@ -76,7 +112,10 @@ class Trainer:
     def publish_state(self) -> dict[str, torch.Tensor]:
         """The weights as published, name -> CPU tensor in ``param_dtype``: the dtype engines run, so that a
         float32 trainer feeds float32 engines the very policy it trains (with ``master_fp32`` the fp32
-        master weights are rounded to ``param_dtype``, the dtype the forward pass computes in)."""
+        master weights are rounded to ``param_dtype``, the dtype the forward pass computes in).
+
+        On several ranks a collective (the shards are gathered): every rank must call it; rank 0 gets the
+        full dict, the others an empty one."""
         dtype = DTYPES[self.config.param_dtype]
         return {k: v.detach().to("cpu", dtype) for k, v in self.backend.full_state_dict().items()}
 
@@ -150,7 +189,14 @@ class Trainer:
                 m_idx = order[m_start: m_start + mini]
                 n_tokens = float(full.loss_mask[m_idx].sum().clamp(min=1.0))
                 self.backend.zero_grad()
-                for u_start in range(0, len(m_idx), micro):
+                # On N ranks, rank r runs micro-batches r, r+N, ...; a rank short of one runs its first
+                # again with a zero loss (every rank must run as many forward/backward passes).
+                starts = list(range(0, len(m_idx), micro))
+                passes = -(-len(starts) // self.world)
+                mine = starts[self.rank::self.world]
+                for i in range(passes):
+                    dummy = i >= len(mine)
+                    u_start = starts[0] if dummy else mine[i]
                     idx = m_idx[u_start: u_start + micro]
                     b = full.select(idx)
                     width = b.input_ids.shape[1]
@@ -162,7 +208,12 @@ class Trainer:
                         ref_logp=None if ref_logp is None else ref_logp[idx, :width], kl_coef=cfg.kl_coef,
                         entropy=ent, entropy_coef=cfg.entropy_coef, agg=cfg.loss_agg,
                         n_tokens=n_tokens, n_seqs=len(m_idx), norm_len=cfg.norm_len)
-                    self.backend.backward(out.loss, boundary=u_start + micro >= len(m_idx))
+                    if self.world > 1:
+                        self.backend.backward(out.loss * 0.0 if dummy else out.loss, boundary=i == passes - 1)
+                        if dummy:
+                            continue
+                    else:
+                        self.backend.backward(out.loss, boundary=u_start + micro >= len(m_idx))
                     valid = b.loss_mask.bool()
                     # micro-batch losses add up to their mini-batch's; mini-batches weigh by size
                     for key in ("loss", "pg_loss", "kl", "entropy"):
@@ -177,8 +228,12 @@ class Trainer:
                 sums["updates"] += 1
         self.model.eval()
         self.version += 1
-        if self.publisher is not None:
-            self.publisher.publish(self.publish_state(), self.version, samples_consumed)
+        if self.world > 1:
+            is_min, is_max = self._reduce_metrics(sums, is_min, is_max)
+        if self.publisher is not None if self.world == 1 else self._gather:
+            state = self.publish_state()
+            if self.publisher is not None:
+                self.publisher.publish(state, self.version, samples_consumed)
 
         step_s = time.perf_counter() - start
         epochs = cfg.ppo_epochs
@@ -201,3 +256,15 @@ class Trainer:
         for k, count in Counter(staleness).items():
             metrics[f"staleness_hist/{k}"] = float(count)
         return metrics
+
+    def _reduce_metrics(self, sums: Counter, is_min: float, is_max: float) -> tuple[float, float]:
+        """Sum the per-rank metric sums (in place) and take the global IS-ratio min/max (a collective).
+        ``grad_norm`` and ``updates`` are global already and are left alone."""
+        keys = ("loss", "pg_loss", "kl", "entropy", "clipped", "valid", "is_ratio_sum")
+        t = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        for k, v in zip(keys, t.tolist()):
+            sums[k] = v
+        ext = torch.tensor([is_min, -is_max], dtype=torch.float64)
+        torch.distributed.all_reduce(ext, op=torch.distributed.ReduceOp.MIN)
+        return float(ext[0]), -float(ext[1])

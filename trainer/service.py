@@ -15,6 +15,10 @@ A restart loads the latest checkpoint and seeks to its offsets: steps after the
 checkpoint are redone and their keys sent again, so the newest record per key
 (:func:`trained_batches`) is the checkpointed history, in which every group is
 trained exactly once.
+
+With ``trainer.ranks`` N > 1 (under torchrun) this class runs on rank 0 only: it alone reads the bus,
+and it sends each rank-wide action (restore, train on a batch, checkpoint, stop) to the other ranks,
+which run :func:`run_follower` and join the collectives (FSDP's, the weight gather, DCP's).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from topics.kafka_security import KafkaSecurity
 from topics.names import TopicNames
 from topics.patience import patiently
 from topics.schemas import TrainedBatch, TrainerProgress
-from trainer.checkpoint import load_latest, save_checkpoint
+from trainer.checkpoint import load_checkpoint, load_latest, save_checkpoint, save_distributed_checkpoint
 from trainer.config import TrainerConfig
 from trainer.coupling import VersionBarrier
 from trainer.loop import Trainer, WeightPublisher
@@ -126,6 +130,7 @@ class TrainerService:
             max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups, batch_samples=cfg.batch_samples,
             replay=replay)
         self.trainer = Trainer(cfg.trainer, cfg.model_dir, publisher=publisher)
+        self._ranks = cfg.trainer.ranks
         self.metrics = MetricsSink(f"trainer.{policy}", policy, producer=self.producer, topic=self.names.metrics,
                                    console=cfg.console, jsonl_path=self.run_dir / "metrics.jsonl",
                                    tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
@@ -141,6 +146,7 @@ class TrainerService:
 
     def _resume(self) -> None:
         ckpt = load_latest(self.run_dir / CHECKPOINTS)
+        self._command("restore", None if ckpt is None else str(ckpt.path))
         if ckpt is not None:
             self.trainer.restore(ckpt)
             self.serving.load_state_dict(ckpt.serving, ckpt.offsets)
@@ -160,11 +166,18 @@ class TrainerService:
                                headers=headers_for(batch))
         patiently(f"trainer.{self.config.trainer.policy}: trained batches", self.producer.flush, log=log)
         offsets = self.serving.offsets_to_commit()
-        path = save_checkpoint(
-            self.run_dir / CHECKPOINTS, version=self.trainer.version, model=self.trainer.model,
-            optimizer=self.trainer.optimizer, offsets=offsets, serving=self.serving.state_dict(),
-            policies={"replay": self.replay.state_dict()} if self.replay is not None else {},
-            keep=self.config.keep_checkpoints)
+        policies = {"replay": self.replay.state_dict()} if self.replay is not None else {}
+        if self._ranks > 1:
+            self._command("checkpoint")
+            path = save_distributed_checkpoint(
+                self.run_dir / CHECKPOINTS, version=self.trainer.version, backend=self.trainer.backend,
+                model=self.trainer.model, offsets=offsets, serving=self.serving.state_dict(), policies=policies,
+                keep=self.config.keep_checkpoints)
+        else:
+            path = save_checkpoint(
+                self.run_dir / CHECKPOINTS, version=self.trainer.version, model=self.trainer.model,
+                optimizer=self.trainer.optimizer, offsets=offsets, serving=self.serving.state_dict(),
+                policies=policies, keep=self.config.keep_checkpoints)
         self._pending.clear()
         self.serving.commit(offsets)
         self._committed = offsets
@@ -217,6 +230,7 @@ class TrainerService:
                     continue
                 last_data = time.monotonic()
                 fresh = batch.groups[: len(batch.groups) - batch.replayed]
+                self._command("train", batch.groups, self.trainer.version)
                 metrics = self.trainer.train_step(batch.groups, wait_s=batch.wait_s,
                                                   samples_consumed=self.serving.consumed())
                 metrics.update(barrier_wait_s=barrier_s, replayed=batch.replayed, dropped_stale=batch.dropped_stale,
@@ -231,12 +245,20 @@ class TrainerService:
                     self.checkpoint()
             if self._pending:
                 self.checkpoint()
+            self._command("stop")
             self.report_progress(finished=True)
         finally:
             self.metrics.close()
         return {"version": self.trainer.version, "steps_run": steps_run,
                 "dropped_stale": self.serving.total_dropped_stale, "duplicates": self.serving.total_duplicates,
                 "wall_s": time.perf_counter() - start}
+
+    def _command(self, *command: Any) -> None:
+        """Send ``command`` to the other ranks' :func:`run_follower` (a collective; nothing on one rank)."""
+        if self._ranks > 1:
+            from trainer.distributed import broadcast_object
+
+            broadcast_object(command)
 
     def report_progress(self, finished: bool = False, at_barrier: bool = False, every_s: float = 5.0) -> None:
         """Send a :class:`TrainerProgress` heartbeat on ``control`` when the position, version,
@@ -304,3 +326,43 @@ class TrainerService:
             self.barrier.close()
         self.consumer.close()
         self.producer.close()
+
+
+def run_follower(config: ServiceConfig) -> dict[str, Any]:
+    """The loop of a rank other than 0 of a multi-rank trainer (``trainer.ranks > 1``, under torchrun).
+
+    It never touches the bus: it loads the model, then does what rank 0's :class:`TrainerService` sends
+    (``restore`` a checkpoint path or None, ``train`` a batch, ``checkpoint``, ``stop``), joining each
+    collective. Every rank trains on the same groups, so all versions and shuffles agree.
+
+    Returns:
+        {"version", "steps_run", "rank"} once rank 0 sends ``stop``.
+
+    Raises:
+        ValueError: an unknown command (rank 0 and this rank run different code).
+        RuntimeError: rank 0 trains a version this rank is not at, or a collective failed (e.g. rank 0 died;
+            torchrun then stops every rank).
+    """
+    from trainer.distributed import broadcast_object, rank
+
+    trainer = Trainer(config.trainer, config.model_dir)
+    steps_run = 0
+    while True:
+        command, *args = broadcast_object(None)
+        if command == "restore":
+            if args[0] is not None:
+                trainer.restore(load_checkpoint(Path(args[0])))
+        elif command == "train":
+            groups, version = args
+            if version != trainer.version:
+                raise RuntimeError(f"rank {rank()}: at version {trainer.version}, rank 0 trains version {version}")
+            trainer.train_step(groups)
+            steps_run += 1
+        elif command == "checkpoint":
+            save_distributed_checkpoint(Path(config.run_dir) / CHECKPOINTS, version=trainer.version,
+                                        backend=trainer.backend, model=trainer.model, offsets={},
+                                        keep=config.keep_checkpoints)
+        elif command == "stop":
+            return {"version": trainer.version, "steps_run": steps_run, "rank": rank()}
+        else:
+            raise ValueError(f"unknown trainer command {command!r} from rank 0")

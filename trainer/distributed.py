@@ -1,0 +1,168 @@
+"""Training one policy on several ranks with FSDP2 (``trainer.ranks > 1``), on CPU (gloo) or CUDA (nccl).
+
+Start the trainer under ``torchrun --standalone --nproc_per_node N -m astraflow trainer ...``
+(the launcher does so when ``trainer.ranks`` is N > 1). Every rank loads the model, then
+:class:`FSDPBackend` shards it with ``fully_shard`` per decoder layer and on the root. All ranks
+train on the same batch: rank ``r`` of ``N`` runs micro-batches ``r, r+N, r+2N, ...`` of each
+mini-batch, and FSDP's reduce-scatter sums the gradients across ranks (each micro-batch loss is already
+normalised for its whole mini-batch, see :func:`trainer.losses.aggregate`; the loss is scaled by N to
+undo FSDP's average).
+
+Only rank 0 talks to the bus: it serves the batch and :func:`broadcast_object` hands it to the
+others, it publishes (the full state dict is gathered, a collective every rank joins), commits
+offsets and writes metrics. Checkpoints go through ``torch.distributed.checkpoint`` (DCP) so a
+resume on N ranks reloads the sharded model and optimizer (see :mod:`trainer.checkpoint`).
+
+Numerics: the per-rank partial gradients are summed in a different order than one process would
+sum them, so N ranks match one rank up to float32 rounding, not bit for bit.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import TrainerConfig
+
+#: How long a rank waits in one collective (e.g. a follower waiting for rank 0's next command while it
+#: waits for data) before the process group gives up.
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=6)
+
+
+def is_distributed() -> bool:
+    """True once a process group with more than one rank is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def init(config: TrainerConfig) -> torch.device:
+    """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_*``)
+    and return this rank's device: ``cuda:LOCAL_RANK`` when CUDA is used, else ``cpu``.
+
+    The backend is nccl on CUDA, gloo on CPU. A process group already initialised is reused.
+
+    Raises:
+        RuntimeError: ``WORLD_SIZE`` is not ``config.ranks`` (e.g. started without torchrun).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != config.ranks:
+        raise RuntimeError(f"trainer.ranks is {config.ranks} but WORLD_SIZE is {world}: start the trainer with "
+                           f"`torchrun --standalone --nproc_per_node {config.ranks} -m astraflow trainer ...`")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+    return device
+
+
+def broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """``obj`` as rank ``src`` holds it, on every rank (pickled; a collective every rank must call).
+    Without a process group, ``obj`` itself."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of an HF causal LM (``model.model.layers`` for Llama/Qwen-style models,
+    else every ``ModuleList``'s children).
+
+    Raises:
+        ValueError: the model has no recognisable layer list.
+    """
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList):
+        return list(layers)
+    found = [m for ml in model.modules() if isinstance(ml, torch.nn.ModuleList) for m in ml]
+    if not found:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return found
+
+
+class FSDPBackend:
+    """FSDP2 sharding over the process group; same methods as :class:`trainer.backend.TorchBackend`.
+
+    Args:
+        model: the HF model, already on this rank's device (identical weights on every rank). It is
+            sharded in place: its parameters become ``DTensor`` shards (dim 0 over the ranks).
+        config: the trainer config (lr, betas, weight decay, ``max_grad_norm``).
+
+    Attributes:
+        forward_model: the sharded model (call it for forward passes; every rank must call it the
+            same number of times, since each forward/backward all-gathers/reduce-scatters).
+        optimizer: AdamW over the sharded parameters (its state is sharded too).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: TrainerConfig):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+        self.world = dist.get_world_size()
+        self.model = self.forward_model = model
+        self.max_grad_norm = config.max_grad_norm
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                                           weight_decay=config.weight_decay)
+
+    def zero_grad(self) -> None:
+        """Clear the (sharded) gradients before a new optimiser step."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        """Accumulate the gradient of ``loss``; FSDP reduce-scatters it across ranks.
+
+        FSDP averages over the ranks, and each rank's micro-batch losses are already normalised for the
+        whole mini-batch, so the loss is scaled by the number of ranks: the average becomes the sum
+        (gloo has no pre-multiplied sum, so ``set_gradient_divide_factor(1)`` is not an option)."""
+        (loss * self.world).backward()
+
+    def step(self) -> float:
+        """Clip to ``max_grad_norm`` by the global L2 norm over all shards and apply AdamW; returns the
+        pre-clip global norm (the same on every rank)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        return float(norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The complete parameters gathered to CPU on rank 0 (name -> tensor); an empty dict on the other
+        ranks. A collective: every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    # -- DCP checkpoints (collectives) ----------------------------------
+    def save_sharded(self, path: str | os.PathLike) -> None:
+        """Write model and optimizer state under directory ``path`` with ``torch.distributed.checkpoint``
+        (every rank writes its shards; a collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+
+    def load_sharded(self, path: str | os.PathLike) -> None:
+        """Load what :meth:`save_sharded` wrote (on any number of ranks; a collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
