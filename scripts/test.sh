@@ -16,4 +16,4 @@ fi
 cleanup() { if [ "$started" = 1 ]; then scripts/kafka-local.sh stop || true; fi; }
 trap cleanup EXIT
 export ASTRAFLOW_TEST_KAFKA="127.0.0.1:${KAFKA_PORT:-9092}"
-.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist worksteal "$@"
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist worksteal --durations=30 "$@"
