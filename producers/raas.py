@@ -21,11 +21,16 @@ A prompt that does not fit a policy's model (its tokens plus ``sampling.max_new_
 ``max_position_embeddings``, see :meth:`RaasWorker.oversize`) is not rolled out: it goes to ``deadletter``
 with the reason (counted as ``too_long_total`` on ``metrics``), and its offset is committed with the batch.
 
+Batching: a workflow that batches (``single_turn``, :attr:`~producers.workflows.Workflow.batches`) rolls the
+whole batch out in one :meth:`~producers.workflows.Workflow.run_batch` call, one ``generate`` per engine over
+every prompt's G copies; other workflows get one call per prompt.
+
 Stopping (SIGTERM): :meth:`RaasWorker.run` stops within a decode step, even mid-batch. The stop event is
-checked before each prompt and is every engine's :attr:`~producers.engines.Engine.interrupt`, so a generation
-in progress is dropped (:class:`~producers.engines.GenerationInterrupted`; SGLang requests run to their end).
-Nothing is written for the interrupted prompt; what the batch produced is flushed and only the offsets of the
-prompts before it are committed: the rest of the batch is delivered again, to this group's next owner.
+checked before each prompt and each call, and is every engine's :attr:`~producers.engines.Engine.interrupt`,
+so a generation in progress is dropped (:class:`~producers.engines.GenerationInterrupted`; SGLang and vLLM
+requests run to their end). Nothing is written for the interrupted call (for a batching workflow: nothing of
+the batch); what earlier calls produced is flushed and per partition only the offsets of the prompts before
+the first one not handled are committed: the rest of the batch is delivered again, to this group's next owner.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from astraflow.config import RunConfig
 from astraflow.models import resolve_model
 from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, HFEngine, SamplingParams
 from producers.workflows import get_workflow, prompt_ids
-from topics.bus import Bus, BusError, TopicPartition, connect
+from topics.bus import Bus, BusError, Record, TopicPartition, connect
 from topics.patience import patiently
 from topics.codec import encode, headers_for
 from topics.deadletter import ValidatingConsumer, send_to_deadletter
@@ -230,7 +235,17 @@ class RaasWorker:
 
     def rollout(self, prompt: Prompt) -> list[TrajectoryGroup]:
         """Run the workflow on ``prompt`` and write its groups and outcomes (not flushed)."""
-        groups = self.workflow.run(prompt, self.engines, self.sampling)
+        return self.rollout_batch([prompt])[0]
+
+    def rollout_batch(self, prompts: list[Prompt]) -> list[list[TrajectoryGroup]]:
+        """Run the workflow on ``prompts`` in one :meth:`~producers.workflows.Workflow.run_batch` (one engine
+        call per policy for a batching workflow) and then write each prompt's groups and outcomes, in order (not
+        flushed). When the call raises (e.g. :class:`~producers.engines.GenerationInterrupted`) nothing is written."""
+        return [self.write(groups) for groups in self.workflow.run_batch(prompts, self.engines, self.sampling)]
+
+    def write(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+        """Send one prompt's ``groups`` (stamped with this worker's ``producer_id``) and their outcomes (not
+        flushed); the groups as sent."""
         out = []
         for g in groups:
             g = g.model_copy(update={"producer_id": self.id})
@@ -246,16 +261,29 @@ class RaasWorker:
             out.append(g)
         return out
 
+    def _dead_letter(self, record: Record, reason: str) -> None:
+        """Send ``record`` (a prompt too long for a policy) to ``deadletter`` with ``reason`` (not flushed)."""
+        log.warning("%s: dead-lettering %s[%d]@%d: %s", self.id, record.topic, record.partition, record.offset, reason)
+        send_to_deadletter(self.producer, self.names.deadletter, record, reason, self.consumer.group)
+        self.totals["too_long"] += 1
+
     def step(self, stop: threading.Event | None = None) -> int:
         """One iteration: sync weights, apply backpressure, roll out one batch, flush, commit.
 
+        The prompts that fit (:meth:`oversize`) are rolled out together in one
+        :meth:`~producers.workflows.Workflow.run_batch` call when the workflow batches
+        (:attr:`~producers.workflows.Workflow.batches`: one engine call for the whole batch), else one call
+        per prompt, in order. A prompt too long is dead-lettered on its own, before the calls; one behind a
+        prompt to roll out in its partition is dead-lettered once that prompt is written (so that an
+        interrupted call, whose prompts are delivered again, does not dead-letter it twice).
+
         Args:
-            stop: checked before each prompt of the batch. Once it is set, or a rollout raises
-                :class:`~producers.engines.GenerationInterrupted` (an engine's ``interrupt``), the
-                batch ends there: nothing is written for the prompt in hand, what was written is
-                flushed, and per partition the commit stops at the first prompt not rolled out,
-                where this consumer is also seeked back (so it, or the partition's next owner,
-                reads that prompt again).
+            stop: checked before each prompt of the batch and before each call. Once it is set, or a call
+                raises :class:`~producers.engines.GenerationInterrupted` (an engine's ``interrupt``), the
+                batch ends there: nothing is written for the call in hand (for a batching workflow, none of
+                the batch's prompts), what was written is flushed, and per partition the commit stops at the
+                first prompt not handled, where this consumer is also seeked back (so it, or the partition's
+                next owner, reads that prompt again).
 
         Returns:
             Prompts rolled out (0 while paused or idle); dead-lettered ones are not counted.
@@ -273,32 +301,46 @@ class RaasWorker:
             for puller in self.pullers.values():
                 puller.poll(timeout_s=0.1 / len(self.pullers))
         batch = self.prompts.poll(self.cfg.raas.batch_prompts, 0.0 if reason else 0.5)
-        rolled, handled = 0, len(batch)  # handled: the batch's first records rolled out or dead-lettered
+        handled = [False] * len(batch)  # rolled out (written) or dead-lettered
+        todo: list[int] = []  # the prompts to roll out, by index in the batch
+        late: list[tuple[int, str]] = []  # too long, behind a prompt of ``todo`` in its partition
         for i, (record, prompt) in enumerate(batch):
             if stop is not None and stop.is_set():
-                handled = i
                 break
             too_long = self.oversize(prompt)
-            if too_long:  # dead-lettered, flushed before the commit below
-                log.warning("%s: dead-lettering %s[%d]@%d: %s", self.id, record.topic, record.partition,
-                            record.offset, too_long)
-                send_to_deadletter(self.producer, self.names.deadletter, record, too_long, self.consumer.group)
-                self.totals["too_long"] += 1
-                continue
-            try:
-                self.rollout(prompt)
-            except GenerationInterrupted:
-                handled = i
+            if not too_long:
+                todo.append(i)
+            elif any(batch[j][0].tp == record.tp for j in todo):
+                late.append((i, too_long))
+            else:  # dead-lettered, flushed before the commit below
+                self._dead_letter(record, too_long)
+                handled[i] = True
+        calls = [todo] if self.workflow.batches and todo else [[i] for i in todo]
+        rolled = 0
+        for call in calls:
+            if stop is not None and stop.is_set():
                 break
-            rolled += 1
+            try:
+                self.rollout_batch([batch[i][1] for i in call])
+            except GenerationInterrupted:
+                break
+            for i in call:
+                handled[i] = True
+            rolled += len(call)
+        for i, too_long in late:
+            record = batch[i][0]
+            if all(handled[j] for j in todo if j < i and batch[j][0].tp == record.tp):
+                self._dead_letter(record, too_long)
+                handled[i] = True
         rest: dict[TopicPartition, int] = {}  # per partition, the first record not handled (offset order)
-        for record, _ in batch[handled:]:
-            rest.setdefault(record.tp, record.offset)
+        for (record, _), done in zip(batch, handled):
+            if not done:
+                rest.setdefault(record.tp, record.offset)
         for tp, offset in rest.items():
             self.consumer.seek(tp, offset)
         if rest:
             log.info("%s: stopped mid-batch: %d of %d prompts left for redelivery", self.id,
-                     len(batch) - handled, len(batch))
+                     handled.count(False), len(batch))
         offsets = {**self.prompts.last_offsets, **rest}
         if offsets:
             # Durable first, then committed; a failing broker is waited out here, keeping the batch in hand

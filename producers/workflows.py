@@ -155,6 +155,24 @@ class Workflow(abc.ABC):
             KeyError: no engine for a policy this workflow needs.
         """
 
+    def run_batch(self, prompts: list[Prompt], engines: Mapping[str, Engine],
+                  sampling: SamplingParams) -> list[list[TrajectoryGroup]]:
+        """Roll out several prompts: ``[self.run(p, ...) for p in prompts]``, the groups of each prompt in
+        order. A workflow that can share engine calls across prompts overrides it (:attr:`batches`); its
+        groups must be those :meth:`run` makes (ids, rewards, versions), sampling aside. An exception (e.g.
+        :class:`~producers.engines.GenerationInterrupted`) drops the whole call: no groups are returned.
+
+        Raises:
+            KeyError: no engine for a policy this workflow needs.
+        """
+        return [self.run(p, engines, sampling) for p in prompts]
+
+    @property
+    def batches(self) -> bool:
+        """True when :meth:`run_batch` rolls prompts out together (one engine call per policy for the lot),
+        not one after another: the RaaS worker then hands it a whole batch, else one prompt per call."""
+        return type(self).run_batch is not Workflow.run_batch
+
     def engine(self, engines: Mapping[str, Engine], role: str) -> Engine:
         """The engine playing ``role``.
 
@@ -188,19 +206,33 @@ def group_id_for(prompt: Prompt, policy: str, role: str) -> str:
 
 @register_workflow("single_turn")
 class SingleTurn(Workflow):
-    """G samples of one answer each, generated in one batch; reward from :func:`producers.rewards.score_many`."""
+    """G samples of one answer each, generated in one batch; reward from :func:`producers.rewards.score_many`.
+
+    :meth:`run_batch` generates the G copies of every prompt of a batch in one ``generate`` call (the
+    engine prefills each distinct prompt once); :meth:`run` is the batch of one prompt.
+    """
 
     roles: ClassVar[dict[str, str]] = {"policy": "actor"}
 
     def run(self, prompt: Prompt, engines: Mapping[str, Engine], sampling: SamplingParams) -> list[TrajectoryGroup]:
+        return self.run_batch([prompt], engines, sampling)[0]
+
+    def run_batch(self, prompts: list[Prompt], engines: Mapping[str, Engine],
+                  sampling: SamplingParams) -> list[list[TrajectoryGroup]]:
         eng = self.engine(engines, "policy")
-        ids = prompt_ids(eng.tokenizer, prompt)
-        gens = eng.generate([ids] * prompt.n_samples, sampling)
-        rewards = score_many(prompt, [_text(eng, g.output_ids) for g in gens])
-        trajs = [Trajectory(ids) for _ in gens]
-        for t, g in zip(trajs, gens):
-            t.add_generation(g)
-        return [self.group(prompt, "policy", [t.to_sample(r) for t, r in zip(trajs, rewards)])]
+        if not prompts:
+            return []
+        ids = [prompt_ids(eng.tokenizer, p) for p in prompts]
+        gens = eng.generate([x for p, x in zip(prompts, ids) for _ in range(p.n_samples)], sampling)
+        out, at = [], 0
+        for prompt, x in zip(prompts, ids):
+            mine, at = gens[at:at + prompt.n_samples], at + prompt.n_samples
+            rewards = score_many(prompt, [_text(eng, g.output_ids) for g in mine])
+            trajs = [Trajectory(x) for _ in mine]
+            for t, g in zip(trajs, mine):
+                t.add_generation(g)
+            out.append([self.group(prompt, "policy", [t.to_sample(r) for t, r in zip(trajs, rewards)])])
+        return out
 
 
 def accepts(verdict: str) -> bool:

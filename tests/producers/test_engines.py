@@ -129,3 +129,48 @@ def test_bad_sampling_params_are_rejected():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+def test_rows_that_stop_leave_the_decode_batch_and_every_row_stays_exact(engine, tiny_model_dir):
+    """32 rows (8 prompts x 4) stopping at EOS at different steps: the forward passes shrink as rows stop, and
+    each row's tokens and logprobs are still its own (teacher-forced recompute); greedy rows equal a call per
+    prompt, and chunks bounded by ``max_batch_tokens`` too."""
+    eng = HFEngine(tiny_model_dir, dtype=torch.float32, max_batch=64)
+    texts = ["1+2=", "5+5=", "19+19=", "What is 7+8? ", "0+0=", "13+6=", "2+17=", "9+9="]
+    batch = [ids for ids in _encode(eng, texts) for _ in range(4)]
+    widths = []
+    hook = eng.model.register_forward_pre_hook(lambda _m, _a, kw: widths.append(kw["input_ids"].shape[0]),
+                                               with_kwargs=True)
+    try:
+        gens = eng.generate(batch, SamplingParams(max_new_tokens=40, temperature=1.5, seed=5))
+    finally:
+        hook.remove()
+    lengths = sorted(len(g.output_ids) for g in gens)
+    assert lengths[0] < lengths[-1] and any(g.finish_reason == "stop" for g in gens)
+    assert widths[0] == len(texts) and widths[1] == 32 and widths[-1] < 32  # prefill, first step, last step
+    assert widths[1:] == sorted(widths[1:], reverse=True)
+    eos = eng.tokenizer.eos_token_id
+    with torch.inference_mode():
+        for prompt, g in zip(batch, gens):
+            assert (g.finish_reason == "stop") == (g.output_ids[-1] == eos) and eos not in g.output_ids[:-1]
+            ids = torch.tensor([prompt + g.output_ids.tolist()])
+            logits = eng.model(ids).logits[0, len(prompt) - 1:-1].float()
+            ref = torch.log_softmax(logits / 1.5, -1).gather(1, ids[0, len(prompt):, None])[:, 0]
+            np.testing.assert_allclose(g.logprobs, ref.numpy(), atol=1e-4)
+    greedy = SamplingParams(max_new_tokens=40, temperature=0)
+    together = eng.generate(_encode(eng, texts), greedy)
+    for ids, g in zip(_encode(eng, texts), together):
+        [alone] = eng.generate([ids], greedy)
+        assert g.output_ids.tolist() == alone.output_ids.tolist() and g.finish_reason == alone.finish_reason
+        np.testing.assert_allclose(g.logprobs, alone.logprobs, atol=1e-5)
+    # chunks bounded by KV positions: rows x (longest prompt + max_new_tokens) <= max_batch_tokens, 3 rows here
+    eng.max_batch_tokens = 3 * (max(map(len, _encode(eng, texts))) + 40) + 2
+    widths.clear()
+    hook = eng.model.register_forward_pre_hook(lambda _m, _a, kw: widths.append(kw["input_ids"].shape),
+                                               with_kwargs=True)
+    try:
+        chunked = eng.generate(_encode(eng, texts), greedy)
+    finally:
+        hook.remove()
+    assert [w[0] for w in widths if w[1] > 1] == [3, 3, 2]  # the prefills
+    assert [g.output_ids.tolist() for g in chunked] == [g.output_ids.tolist() for g in together]

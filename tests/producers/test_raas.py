@@ -1,7 +1,8 @@
 """RaaS workers: two share one consumer group; one is SIGKILLed mid-rollout; every prompt
 still yields exactly one accepted group downstream (de-duplicated by group_id). A SIGTERMed worker stops
 mid-batch within seconds, committing exactly the prompts it wrote groups for. A prompt too long for
-the model goes to deadletter and the worker moves past it."""
+the model goes to deadletter and the worker moves past it. A single_turn batch is one generate call,
+writing the groups a rollout per prompt writes; an interrupted one writes and commits nothing."""
 import json
 import os
 import signal
@@ -11,15 +12,17 @@ import time
 import uuid
 from collections import defaultdict
 
+import numpy as np
 import pytest
 
 from astraflow.config import load_config
 from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
+from producers.engines import SamplingParams
 from topics.bus import connect, read_topic
-from topics.codec import decode
+from topics.codec import decode, encode, headers_for
 from topics.names import TopicNames
-from topics.schemas import DeadLetter, Prompt, TrajectoryGroup
+from topics.schemas import DeadLetter, Prompt, RolloutOutcome, TrajectoryGroup
 
 N_PROMPTS = 200
 
@@ -102,9 +105,11 @@ def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_m
 
 
 def test_sigterm_mid_batch_stops_within_seconds_and_commits_exactly_the_written_prompts(tmp_path, tiny_model_dir):
-    """A batch of 8 prompts x 32 samples of up to 1500 tokens at temperature 20 (EOS is rare) takes tens of
-    seconds; SIGTERM after its first group stops the worker within 5 s. The committed prompts are exactly those
-    with a group; a second worker then rolls out the rest: one group per prompt, none twice."""
+    """A batch of 8 prompts x 32 samples of up to 1500 tokens at temperature 20 (EOS is rare) takes seconds to
+    tens of seconds, in one generate call whose groups are written together at its end; SIGTERM once the first
+    batch is committed, in the second batch, stops the worker within 5 s and drops that whole batch. The
+    committed prompts are exactly those with a group; a second worker then rolls out the rest: one group per
+    prompt, none twice."""
     n_prompts = 16
     path = tmp_path / "run.yaml"
     path.write_text(f"""
@@ -129,6 +134,10 @@ raas: {{batch_prompts: 8, max_inflight_groups: 100000}}
             assert time.monotonic() < deadline, "no group was written"
             assert worker.poll() is None, (tmp_path / "raas-0.log").read_text()[-2000:]
             time.sleep(0.1)
+        while not any(bus.admin().group_offsets(group, names.prompts).values()):  # the first batch committed
+            assert time.monotonic() < deadline, "the first batch was not committed"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the worker is polling or rolling out its second batch
         signalled = time.monotonic()
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(5) == 0, (tmp_path / "raas-0.log").read_text()[-2000:]
@@ -198,3 +207,85 @@ raas: {{batch_prompts: 4}}
     assert letter.error == (f"prompt {long_prompt.prompt_id} (sums) is 3004 tokens: with sampling.max_new_tokens=2 it "
                             "does not fit policy actor's context of 2048 tokens (max_position_embeddings)")
     assert worker.totals["too_long"] == 1 and worker.totals["prompts"] == 3
+
+
+@pytest.mark.parametrize("long_at", [0, 1])
+def test_a_batch_is_one_generate_call_and_an_interrupted_one_writes_and_commits_nothing(tmp_path, tiny_model_dir,
+                                                                                          long_at):
+    """Four prompts in one partition, the one at ``long_at`` too long for the model. The first step's generate call
+    (the three others' 3 copies each, 9 rows) is interrupted after its prefill: no group is written and nothing is
+    committed past the long prompt. First in the partition, it is dead-lettered before the call and committed;
+    behind a prompt of the call, it waits for that prompt's group (so the redelivery does not dead-letter it
+    twice). The next step writes, in one call, the groups (and outcomes) that a rollout of each prompt alone makes
+    (greedy): one per prompt, one dead letter in all."""
+    import threading
+
+    path = tmp_path / "run.yaml"
+    path.write_text(f"""
+run: batch{uuid.uuid4().hex[:8]}
+run_dir: {tmp_path / 'run'}
+bus: local://{tmp_path / 'bus'}
+policies:
+  actor: {{model: {tiny_model_dir}}}
+data: {{sources: [{{name: arith, limit: 4}}], n_samples: 3}}
+raas: {{batch_prompts: 8}}
+""")
+    cfg = load_config(path)
+    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
+    bus.admin().ensure_run_topics(names, ["actor"], partitions=1)
+    texts = ["1+2=", "3+4=", "5+6="]
+    texts.insert(long_at, "1" * 3000 + "+1=")
+    prompts = [Prompt(prompt_id=f"p{i}", source="test", task_type="arith", text=t, answer=str(eval(t[:-1])),
+                      n_samples=3) for i, t in enumerate(texts)]
+    producer = bus.producer()
+    for p in prompts:
+        producer.send(names.prompts, encode(p), key=p.prompt_id, headers=headers_for(p))
+    producer.flush()
+    group = names.raas_group("single_turn")
+    worker = RaasWorker(cfg, 0, bus)
+    try:
+        worker.sampling = SamplingParams(max_new_tokens=4, temperature=0)
+        engine = worker.engines["actor"]
+        calls, real = [], engine.generate
+        engine.generate = lambda batch, sampling: calls.append(len(batch)) or real(batch, sampling)
+        engine.interrupt, forwards = threading.Event(), []
+
+        def interrupt_after_prefill(*_):
+            forwards.append(1)
+            if len(forwards) == 1:
+                engine.interrupt.set()
+
+        hook = engine.model.register_forward_hook(interrupt_after_prefill)
+        try:
+            assert worker.step() == 0
+        finally:
+            hook.remove()
+        assert calls == [9] and len(forwards) == 1
+        assert read_all(bus, names.trajectories("actor")) == [] and read_topic(bus, names.outcomes) == []
+        assert len(read_topic(bus, names.deadletter)) == (1 if long_at == 0 else 0)
+        assert (bus.admin().group_offsets(group, names.prompts).get(0) or 0) == (1 if long_at == 0 else 0)
+
+        engine.interrupt.clear()
+        assert worker.step() == 3
+        assert calls == [9, 9]
+        assert bus.admin().group_offsets(group, names.prompts).get(0) == 4
+        written = read_all(bus, names.trajectories("actor"))
+        short = [p for p in prompts if len(p.text) < 100]
+        assert [g.prompt_id for g in written] == [p.prompt_id for p in short]
+        letters = [decode(r.value, DeadLetter) for r in read_topic(bus, names.deadletter)]
+        assert [decode(x.value, Prompt).prompt_id for x in letters] == [prompts[long_at].prompt_id]
+        outcomes = [decode(r.value, RolloutOutcome) for r in read_topic(bus, names.outcomes)]
+        assert [(o.group_id, o.rewards) for o in outcomes] == [(g.group_id, [s.reward for s in g.samples])
+                                                                for g in written]
+        assert worker.totals["prompts"] == 3 and worker.totals["too_long"] == 1
+        for p, g in zip(short, written):
+            [alone] = worker.workflow.run(p, worker.engines, worker.sampling)
+            assert g.producer_id == "raas-0" and g.group_id == alone.group_id
+            assert g.model_dump(exclude={"samples", "created_ts", "producer_id"}) == \
+                alone.model_dump(exclude={"samples", "created_ts", "producer_id"})
+            for s, t in zip(g.samples, alone.samples, strict=True):
+                assert s.input_ids.tolist() == t.input_ids.tolist() and s.reward == t.reward
+                assert s.loss_mask.tolist() == t.loss_mask.tolist() and s.versions.tolist() == t.versions.tolist()
+                np.testing.assert_allclose(s.behavior_logprobs, t.behavior_logprobs, atol=1e-5)
+    finally:
+        worker.close()

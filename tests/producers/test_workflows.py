@@ -172,3 +172,50 @@ def test_multi_turn_stops_at_max_turns_and_on_the_tiny_model(engine):
     for s in group.samples:
         check_sample_arrays(s, len(prompt_ids(tok, arith("multi_turn"))))
         assert s.turns == 1
+
+
+def assert_same_groups(a: list[TrajectoryGroup], b: list[TrajectoryGroup], atol: float = 0.0) -> None:
+    """Two runs' groups are the same: ids, metadata, tokens, masks, versions, rewards (logprobs within ``atol``)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        skip = {"samples", "created_ts"}
+        assert x.model_dump(exclude=skip) == y.model_dump(exclude=skip)
+        assert len(x.samples) == len(y.samples)
+        for s, t in zip(x.samples, y.samples):
+            for field in ("input_ids", "loss_mask", "versions"):
+                np.testing.assert_array_equal(getattr(s, field), getattr(t, field))
+            np.testing.assert_allclose(s.behavior_logprobs, t.behavior_logprobs, atol=atol)
+            assert (s.reward, s.finish_reason, s.turns) == (t.reward, t.finish_reason, t.turns)
+
+
+def test_single_turn_run_batch_is_one_generate_call_with_the_groups_of_run(engine):
+    """run_batch generates every prompt's G copies in one engine call and returns, per prompt, the groups that run
+    returns for it alone: the same group ids, tokens, versions and rewards (scripted replies, some correct; then
+    the tiny model, greedy, where left padding to the batch's longest prompt changes logprobs by float noise)."""
+    prompts = [Prompt(prompt_id=f"p{i}", source="test", task_type="arith", text=text, answer=answer,
+                      workflow="single_turn", n_samples=g, metadata={"epoch": i % 2})
+               for i, (text, answer, g) in enumerate([("3+4=", "7", 8), ("What is 1+2? ", "3", 4),
+                                                       ("0+1=", "1", 3)])]
+    wf = get_workflow("single_turn")
+    assert wf.batches and not get_workflow("multi_turn").batches
+    replies = [[str(k) for k in range(p.n_samples)] for p in prompts]  # sample k answers k
+    one = ScriptedEngine(engine.tokenizer, [sum(replies, [])], version=5)
+    batched = wf.run_batch(prompts, {"actor": one}, SAMPLING)
+    assert len(one.seen) == 1 and one.seen[0] == [prompt_ids(engine.tokenizer, p) for p in prompts
+                                                  for _ in range(p.n_samples)]
+    each = ScriptedEngine(engine.tokenizer, replies, version=5)
+    alone = [wf.run(p, {"actor": each}, SAMPLING) for p in prompts]
+    assert len(each.seen) == 3
+    for p, groups, ref in zip(prompts, batched, alone):
+        assert_same_groups(groups, ref)
+        [group] = groups
+        assert group.group_id == group_id_for(p, "actor", "policy") and group.prompt_id == p.prompt_id
+        assert [s.reward for s in group.samples] == [float(k == int(p.answer)) for k in range(p.n_samples)]
+        assert group.min_version == group.max_version == 5
+    assert wf.run_batch([], {"actor": one}, SAMPLING) == [] and len(one.seen) == 1
+
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    engine.load_weights({}, version=1)
+    batched = wf.run_batch(prompts, {"actor": engine}, greedy)
+    for p, groups in zip(prompts, batched):
+        assert_same_groups(groups, wf.run(p, {"actor": engine}, greedy), atol=1e-5)
