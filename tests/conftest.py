@@ -34,7 +34,11 @@ def _require_kafka() -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` are skipped, with the reason, where no CUDA device is present."""
+    """Tests marked ``learning``, then ``slow``, run first (the longest jobs first keeps pytest-xdist's workers busy to the end,
+    instead of one worker finishing a long run alone); tests marked ``gpu`` are skipped, with the reason,
+    where no CUDA device is present."""
+    # stable: the learning runs (the longest), then the other slow tests, then the rest, each in collection order
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("learning") is None))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

@@ -34,9 +34,11 @@ def summary_of(proc: subprocess.CompletedProcess) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.learning
-def test_arith_tiny_learns_within_ten_minutes(tmp_path, bus_url):
+def test_arith_tiny_learns_within_ten_minutes(tmp_path):
+    """On the embedded bus; whole runs on Kafka are test_gsm8k_tiny_through_kafka, the SASL_SSL run of
+    tests/e2e/test_secrets.py and the fault tests."""
     run = f"arith{uuid.uuid4().hex[:8]}"
-    proc = astraflow("run", "examples/arith-tiny.yaml", f"run={run}", f"run_dir={tmp_path}", f"bus={bus_url}")
+    proc = astraflow("run", "examples/arith-tiny.yaml", f"run={run}", f"run_dir={tmp_path}")
     s = summary_of(proc)
     assert s["run"] == run and s["versions"] == {"actor": s["steps"]} and s["steps"] == 400
     # +0.15..+0.21 measured over 4 runs (two under a loaded CI machine); the reward starts near 0.29, so
