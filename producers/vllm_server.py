@@ -41,6 +41,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: ``api_server`` flags that ask for more than one worker or choose the executor themselves.
+_MULTI_WORKER_FLAGS = frozenset({"--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+                                 "--data-parallel-size", "-dp", "--distributed-executor-backend"})
+
+
 def server_argv(python: str | Path, model_dir: str | Path, port: int, dtype: str = "float32",
                 max_model_len: int | None = None, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The server's command line.
@@ -51,7 +56,9 @@ def server_argv(python: str | Path, model_dir: str | Path, port: int, dtype: str
         port: the port on 127.0.0.1.
         dtype: ``float32`` or ``bfloat16``: the dtype the trainer publishes (``trainer.param_dtype``).
         max_model_len: the longest prompt plus completion in tokens (None: the model's own limit).
-        extra: further ``api_server`` arguments (``vllm.args`` in the config), appended last.
+        extra: further ``api_server`` arguments (``vllm.args`` in the config), appended last. Unless they
+            ask for parallelism or an executor, the one worker runs in the engine-core process
+            (``--distributed-executor-backend uni``).
     """
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
@@ -59,6 +66,10 @@ def server_argv(python: str | Path, model_dir: str | Path, port: int, dtype: str
             "--worker-extension-cls", EXTENSION]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
+    if not any(a.split("=")[0] in _MULTI_WORKER_FLAGS for a in extra):
+        # One worker: run it inside the engine-core process rather than a third process that imports
+        # vLLM again (measured on 2 busy cores: healthy after 144 s instead of 252 s).
+        argv += ["--distributed-executor-backend", "uni"]
     return argv + list(extra)
 
 

@@ -503,11 +503,14 @@ class KafkaAdmin(Admin):
         """Per partition, (log start offset, log end offset), from the consumer API's watermark query.
 
         Not AdminClient.list_offsets: during a broker outage its request futures can trip a
-        librdkafka assertion (``rd_kafka_enq_once_del_source_return``) that aborts the process.
+        librdkafka assertion (``rd_kafka_enq_once_del_source_return``) that aborts the process. The reader
+        is ``read_uncommitted``: the end is the log's end, past any open transaction (a ``read_committed``
+        query answers the last stable offset instead, which an open transaction holds back).
         """
         if self._watermark_reader is None:
             self._watermark_reader = _Consumer({**self._client, **_Reporter("offsets").conf(),
                                                 "group.id": f"astraflow-offsets-{uuid.uuid4().hex}",
+                                                "isolation.level": "read_uncommitted",
                                                 "enable.auto.commit": False})
         out = {}
         for p in self._partitions(topic):

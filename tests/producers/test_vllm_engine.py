@@ -9,7 +9,7 @@ import torch
 
 from producers.engines import EngineUpdateError, HFEngine, SamplingParams
 from producers.vllm_engine import VLLMEngine
-from producers.vllm_server import VLLMServer
+from producers.vllm_server import VLLMServer, server_argv
 from producers.workflows import prompt_ids
 from topics.bus import connect
 from topics.names import TopicNames
@@ -108,3 +108,14 @@ def test_hf_engine_logprobs_match_the_trainer_after_an_update(tiny_model_dir):
     engine.load_weights(state, 1)
     model.load_state_dict(state)
     assert max_gap(model, batch, engine.generate(batch, SAMPLING)) < 1e-5
+
+
+def test_one_worker_runs_in_the_engine_core_unless_the_args_ask_for_parallelism():
+    """``server_argv`` adds ``--distributed-executor-backend uni`` (no third process importing vLLM) only when
+    ``vllm.args`` neither asks for tensor/pipeline/data parallelism nor picks an executor itself."""
+    plain = server_argv("py", "m", 8000)
+    assert plain[plain.index("--distributed-executor-backend") + 1] == "uni"
+    for extra in (["--tensor-parallel-size", "2"], ["-tp=2"], ["--distributed-executor-backend", "mp"]):
+        argv = server_argv("py", "m", 8000, extra=extra)
+        assert argv.count("--distributed-executor-backend") == extra.count("--distributed-executor-backend")
+        assert argv[-len(extra):] == extra
