@@ -38,6 +38,7 @@ from topics.follow import LatestByKey
 from topics.kafka_security import KafkaSecurity
 from topics.names import TopicNames
 from topics.patience import patiently
+from topics.reader_watch import ReaderWatch
 from topics.schemas import TrainedBatch, TrainerProgress
 from trainer.checkpoint import load_checkpoint, load_latest, save_checkpoint, save_distributed_checkpoint
 from trainer.config import TrainerConfig
@@ -116,7 +117,7 @@ class TrainerService:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.bus = connect(cfg.bus, cfg.kafka)
-        self._admin = admin = self.bus.admin()
+        admin = self.bus.admin()
         for topic in (self.names.samples(policy), self.names.metrics, self.names.deadletter):
             admin.create_topic(topic, partitions=4)
         admin.create_topic(self.names.control, partitions=1, compacted=True)
@@ -125,6 +126,8 @@ class TrainerService:
         self.consumer = self.bus.consumer(self.names.trainer_group(policy), client_id=f"trainer.{policy}.{os.getpid()}",
                                           instance_id=f"trainer.{policy}")
         self.replay = replay
+        #: names the positions when no batch comes, and stops a trainer whose reads are blocked
+        self.reader_watch = ReaderWatch(self.consumer, admin, self.names.samples(policy), f"trainer {policy}", log)
         self.serving = ServingStage(
             self.consumer, self.producer, self.names.samples(policy), self.names.deadletter,
             max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups, batch_samples=cfg.batch_samples,
@@ -139,8 +142,6 @@ class TrainerService:
         self._committed: dict = {}
         self._unassigned_logged = time.monotonic()
         self._store_logged = 0.0
-        self._starved_logged = 0.0
-        self._stuck: tuple[dict, float] = ({}, 0.0)  # partitions behind their end, and since when
         self._publish_alerted: tuple[int, int | None] = (0, None)  # (publish errors, version while failing)
         self._progress_sent: tuple[int, int, bool, bool] | None = None
         self._progress_ts = 0.0
@@ -228,7 +229,7 @@ class TrainerService:
                         # member may wait out a rebalance before it can see any data.
                         last_data = self._note_unassigned()
                     else:
-                        self._check_starved(last_data)
+                        self.reader_watch.check(last_data)
                         if cfg.idle_exit_s is not None and time.monotonic() - last_data > cfg.idle_exit_s:
                             break
                     continue
@@ -323,40 +324,6 @@ class TrainerService:
                         self.config.trainer.policy, self.names.samples(self.config.trainer.policy),
                         self.names.trainer_group(self.config.trainer.policy))
         return now
-
-    def _check_starved(self, last_data: float, every_s: float = 30.0, stuck_s: float = 240.0) -> None:
-        """While no batch comes: every ``every_s`` seconds, log where this trainer reads each assigned
-        partition of ``samples.<policy>`` and where the partition ends.
-
-        Raises:
-            topics.bus.BusError: for ``stuck_s`` seconds some partition held records past this reader's
-                position (more than the one transaction marker after the last record) and no position moved:
-                the reader is blocked (a wedged consumer, or an open transaction that is never ended). The
-                message names the partitions; the launcher restarts the trainer from its checkpoint.
-        """
-        now = time.monotonic()
-        if now - last_data < every_s or now - self._starved_logged < every_s:
-            return
-        self._starved_logged = now
-        topic = self.names.samples(self.config.trainer.policy)
-        try:
-            parts = self.consumer.assignment()
-            position = self.consumer.position(parts)
-            ends = self._admin.end_offsets(topic)
-        except BusError as e:
-            log.warning("trainer %s: no batch for %.0f s; positions on %s unknown (%s)", self.config.trainer.policy,
-                        now - last_data, topic, e)
-            return
-        where = ", ".join(f"p{tp.partition} at {position.get(tp)} of {ends.get(tp.partition)}" for tp in parts)
-        log.warning("trainer %s: no batch for %.0f s at version %d; %s: %s", self.config.trainer.policy,
-                    now - last_data, self.trainer.version, topic, where)
-        behind = {tp: position.get(tp) for tp in parts if (position.get(tp) or 0) < ends.get(tp.partition, 0) - 1}
-        if not behind or behind != self._stuck[0]:
-            self._stuck = (behind, now)
-        elif now - self._stuck[1] >= stuck_s:
-            raise BusError(f"trainer {self.config.trainer.policy}: reading {topic} is blocked: {where}, and no "
-                           f"position moved in {now - self._stuck[1]:.0f} s (a wedged consumer, or a transaction "
-                           "that is never ended)")
 
     def close(self) -> None:
         """Leave the consumer group, stop reading announcements and flush the producer."""

@@ -28,12 +28,13 @@ def test_a_reader_blocked_behind_an_open_transaction_is_named_then_stops(kafka_u
         while not service.consumer.assignment():
             assert time.monotonic() < deadline, "no partition assigned in 60 s"
             assert service.serving.next_batch(0, timeout_s=1.0) is None
-        long_ago = time.monotonic() - 100
-        service._check_starved(long_ago, every_s=0.0, stuck_s=3.0)  # logs, starts the clock
+        watch, long_ago = service.reader_watch, time.monotonic() - 100
+        watch.every_s, watch.stuck_s = 0.0, 3.0
+        watch.check(long_ago)  # logs the positions, starts the clock
         time.sleep(4)
         assert service.serving.next_batch(0, timeout_s=1.0) is None  # nothing readable: the reader stays put
         with pytest.raises(BusError, match=r"samples\.actor is blocked: p0 at None of 2.*no position moved"):
-            service._check_starved(long_ago, every_s=0.0, stuck_s=3.0)
+            watch.check(long_ago)
     finally:
         producer.abort_transaction()
         producer.close()
