@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from policies.base import ServingPolicy, group_staleness
 from topics.bus import Consumer, Producer, TopicPartition
@@ -178,14 +178,16 @@ class ServingStage:
             return len(self._buffer) >= target
         return sum(len(b.group.samples) for b in self._buffer) >= target
 
-    def next_batch(self, version: int, timeout_s: float = 30.0, poll_timeout_s: float = 0.5) -> ServedBatch | None:
+    def next_batch(self, version: int, timeout_s: float = 30.0, poll_timeout_s: float = 0.5,
+                   on_poll: Callable[[], None] | None = None) -> ServedBatch | None:
         """Assemble the next batch for a trainer at ``version``.
 
         Polls until the buffer holds enough fresh, non-stale groups, or ``timeout_s``
         seconds pass; then returns what there is (a short batch), or None when there
         is nothing to train on (drops are still counted in the ``total_*`` counters).
         Records already available are drained without waiting first, so that
-        earliest-version-first ordering sees all of them.
+        earliest-version-first ordering sees all of them. ``on_poll()`` is called after each poll
+        while waiting (e.g. to report :meth:`consumed`, which stale drops move before any batch is ready).
 
         Raises:
             topics.bus.BusError: the bus failed (including a dead-letter write).
@@ -210,6 +212,9 @@ class ServingStage:
             if not polled and not self.reader.last_offsets and ready:
                 break
             self._ingest(polled, batch)
+            if on_poll is not None:
+                self._drop_stale(version, batch)
+                on_poll()
         batch.rejected = self.reader.rejected - rejected_before
         self._drop_stale(version, batch)
         self._buffer.sort()

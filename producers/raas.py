@@ -199,8 +199,10 @@ class RaasWorker:
         """Why this worker should not roll out now ('' when it should).
 
         Per policy: its engine is more than ``max_staleness`` versions behind the newest durable
-        version, or more than :meth:`inflight_limit` of its groups are in flight. A policy whose
-        trainer has finished, or waits at a barrier for its peers, holds nothing back.
+        version or its trainer's reported version (what is rolled out now would be dropped as stale), or
+        a batch (``raas.batch_prompts`` groups) on top of the groups in flight would pass
+        :meth:`inflight_limit` (a worker with nothing in flight always rolls out). A policy whose trainer
+        has finished, or waits at a barrier for its peers, holds nothing back.
         """
         self.progress.poll()
         for p, puller in self.pullers.items():
@@ -208,13 +210,21 @@ class RaasWorker:
             max_staleness = self.cfg.policies[p].max_staleness
             if newest is not None and newest - self.engines[p].version > max_staleness:
                 return f"{p} weights {newest - self.engines[p].version} versions behind"
+            progress = self.progress.latest.get(f"trainer.{p}")
+            if (progress is not None and not (progress.finished or progress.at_barrier)
+                    and progress.version - self.engines[p].version > max_staleness):
+                # the trainer is past the newest durable version: what this engine rolls out now would be
+                # trained at its version or later, too stale (at max_staleness 0: wait for each new version)
+                return f"{p} weights {progress.version - self.engines[p].version} versions behind its trainer"
+        batch = self.cfg.raas.batch_prompts
         for p in self.policies:
             try:
                 inflight = self.inflight_groups(p)
             except BusError:
                 continue  # topics not created yet: nothing in flight
-            if inflight is not None and inflight > self.inflight_limit(p):
-                return f"{inflight} groups of {p} in flight > its limit {self.inflight_limit(p)}"
+            if inflight and inflight + batch > self.inflight_limit(p):
+                return (f"{inflight} groups of {p} in flight, and a batch of {batch} more would pass its limit "
+                        f"{self.inflight_limit(p)}")
         return ""
 
     # -- rollout ---------------------------------------------------------------------------

@@ -155,7 +155,8 @@ class Trainer:
             The step's metrics (floats): loss, pg_loss, kl, clipfrac, entropy, grad_norm,
             reward_mean, reward_std, staleness_mean/max and ``staleness_hist/<k>`` counts of
             groups, is_ratio_mean/max/min (π_θ/π_behaviour on generated tokens before the
-            update), tokens (generated, count), tokens_per_s, step_s, wait_s, wait_frac,
+            update), behaviour_kl (KL(π_behaviour || π_θ) per generated token before the update, Schulman's
+            k3 estimator r - 1 - log r with r = π_θ/π_behaviour: http://joschu.net/blog/kl-approx.html), tokens (generated, count), tokens_per_s, step_s, wait_s, wait_frac,
             groups, samples, version.
 
         Raises:
@@ -220,9 +221,11 @@ class Trainer:
                         sums[key] += float(getattr(out, key).detach()) * len(m_idx) / n
                     sums["clipped"] += int(out.clipped.sum())
                     sums["valid"] += int(valid.sum())
-                    ratio = torch.exp(logp.detach() - b.behavior_logp)[valid]
+                    log_ratio = (logp.detach() - b.behavior_logp)[valid]
+                    ratio = torch.exp(log_ratio)
                     if ratio.numel():
                         sums["is_ratio_sum"] += float(ratio.sum())
+                        sums["behaviour_kl_sum"] += float((ratio - 1.0 - log_ratio).sum())
                         is_min, is_max = min(is_min, float(ratio.min())), max(is_max, float(ratio.max()))
                 sums["grad_norm"] += self.backend.step()
                 sums["updates"] += 1
@@ -248,6 +251,7 @@ class Trainer:
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
             "staleness_mean": sum(staleness) / len(staleness), "staleness_max": float(max(staleness)),
             "is_ratio_mean": sums["is_ratio_sum"] / max(sums["valid"], 1),
+            "behaviour_kl": sums["behaviour_kl_sum"] / max(sums["valid"], 1),
             "is_ratio_max": is_max if sums["valid"] else 1.0, "is_ratio_min": is_min if sums["valid"] else 1.0,
             "tokens": gen_tokens, "tokens_per_s": gen_tokens * epochs / step_s, "step_s": step_s,
             "wait_s": wait_s, "wait_frac": wait_s / (wait_s + step_s),
@@ -260,7 +264,7 @@ class Trainer:
     def _reduce_metrics(self, sums: Counter, is_min: float, is_max: float) -> tuple[float, float]:
         """Sum the per-rank metric sums (in place) and take the global IS-ratio min/max (a collective).
         ``grad_norm`` and ``updates`` are global already and are left alone."""
-        keys = ("loss", "pg_loss", "kl", "entropy", "clipped", "valid", "is_ratio_sum")
+        keys = ("loss", "pg_loss", "kl", "entropy", "clipped", "valid", "is_ratio_sum", "behaviour_kl_sum")
         t = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
         torch.distributed.all_reduce(t)
         for k, v in zip(keys, t.tolist()):

@@ -211,9 +211,11 @@ class TrainerService:
                     barrier_s = self.barrier.wait(self.trainer.version, stop)
                 if barrier_s is None:
                     break
-                batch = self.serving.next_batch(self.trainer.version, timeout_s=cfg.poll_timeout_s)
-                self.report_progress()
+                # RaaS throttles on this trainer's position: report it while waiting too (stale drops move it)
+                batch = self.serving.next_batch(self.trainer.version, timeout_s=cfg.poll_timeout_s,
+                                                on_poll=self.report_progress)
                 if batch is None:
+                    self.report_progress()
                     if self.serving.offsets_to_commit() != self._committed:
                         # Starved: checkpoint now, so the committed offsets (the lag `status`
                         # shows, and RaaS backpressure before this trainer's first announcement)

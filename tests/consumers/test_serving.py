@@ -38,8 +38,10 @@ def setup(bus_url):
         producer.flush()
 
     def stage(**kw):
+        # a group of this test's own: on Kafka, members of one group on other topics (a test on another
+        # xdist worker) rebalance it, and a partition taken back and given again is read again
         consumer = bus.consumer(f"trainer.pol.{uuid.uuid4().hex[:6]}" if kw.pop("fresh_group", False)
-                                else "trainer.pol", session_timeout_s=6.0)
+                                else f"{names.run}.trainer.pol", session_timeout_s=6.0)
         return ServingStage(consumer, producer, names.samples("pol"), names.deadletter, **kw)
 
     return bus, names, produce, stage

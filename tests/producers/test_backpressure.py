@@ -40,32 +40,32 @@ raas: {{batch_prompts: 2, max_inflight_groups: 8}}
     produced = lambda: sum(bus.admin().end_offsets(names.trajectories("actor")).values())  # noqa: E731
     try:
         # Nothing filtered or trained: every group is in flight. Two per batch, so the worker
-        # rolls out while <= 8 are in flight and stops at 10.
+        # rolls out while a batch fits under the limit, and stops at 8.
         for _ in range(20):
             worker.step()
-        assert produced() == 10
-        assert "10 groups of actor in flight > its limit 8" in worker.paused_reason
+        assert produced() == 8
+        assert "8 groups of actor in flight, and a batch of 2 more would pass its limit 8" in worker.paused_reason
 
         filt = FilterProcessor(bus, cfg.run, "actor", build_chain([{"name": "accept_all"}]), linger_s=0.0)
-        while filt.totals["consumed"] < 10:
+        while filt.totals["consumed"] < 8:
             filt.step()
         filt.close()
-        # The filter moved all 10 to samples; the trainer announces version 1 at a position 8 offsets
+        # The filter moved all 8 to samples; the trainer announces version 1 at a position 6 offsets
         # short of the end (offsets, not records: on Kafka, transaction markers take offsets too).
         end = sum(bus.admin().end_offsets(names.samples("actor")).values())
         state = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
         pub = Publisher(WeightStore(cfg.store, cfg.run), bus, names, "actor")
-        pub.publish(state, 1, samples_consumed=end - 8)
+        pub.publish(state, 1, samples_consumed=end - 6)
         assert pub.wait(30) and not pub.errors
         pub.close()
         for _ in range(20):
             worker.step()
         assert worker.engines["actor"].version == 1
-        assert produced() == 12  # 8 in flight: one more batch, then 10 again
-        assert "10 groups of actor in flight" in worker.paused_reason
+        assert produced() == 10  # 6 in flight: one more batch, then 8 again
+        assert "8 groups of actor in flight" in worker.paused_reason
 
         # A heartbeat, no new version (e.g. the trainer dropped stale groups): the trainer is at the
-        # end of samples; 2 groups still wait for the filter. Rolls out to 10 in flight again.
+        # end of samples; 2 groups still wait for the filter. Rolls out to 8 in flight again.
         producer = bus.producer()
 
         def heartbeat(**kw):
@@ -76,7 +76,17 @@ raas: {{batch_prompts: 2, max_inflight_groups: 8}}
         heartbeat(consumed=sum(bus.admin().end_offsets(names.samples("actor")).values()))
         for _ in range(20):
             worker.step()
-        assert produced() == 20 and "10 groups of actor in flight" in worker.paused_reason
+        assert produced() == 16 and "8 groups of actor in flight" in worker.paused_reason
+        # The trainer reports a version more than max_staleness past this engine's, nothing in flight: what it
+        # rolled out now would be dropped as stale, so it waits for those weights.
+        ahead = 1 + cfg.policies["actor"].max_staleness + 1
+        msg = TrainerProgress(policy="actor", version=ahead, consumed=produced() * 2)
+        producer.send(names.control, encode(msg), key="trainer.actor", headers=headers_for(msg))
+        producer.flush()
+        for _ in range(5):
+            worker.step()
+        assert produced() == 16
+        assert f"actor weights {ahead - 1} versions behind its trainer" in worker.paused_reason
         # The trainer finished: this policy holds nothing back; all 40 prompts are rolled out.
         heartbeat(consumed=0, finished=True)
         for _ in range(20):

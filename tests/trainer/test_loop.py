@@ -1,4 +1,6 @@
 """The optimisation loop on a tiny random Qwen2."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -92,7 +94,7 @@ def test_on_policy_update_pushes_each_token_in_its_advantage_direction(tiny_mode
     # published in the dtype the trainer trains in, which engines then run (a float32 trainer feeds float32 engines)
     assert set(pub.calls[0][1].values()) == {getattr(torch, cfg.get("param_dtype", "bfloat16"))}
     for key in ("loss", "pg_loss", "kl", "clipfrac", "entropy", "grad_norm", "reward_mean", "reward_std",
-                "is_ratio_mean", "is_ratio_max", "is_ratio_min", "tokens_per_s", "wait_frac"):
+                "is_ratio_mean", "is_ratio_max", "is_ratio_min", "behaviour_kl", "tokens_per_s", "wait_frac"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
     assert metrics["reward_mean"] == 0.5 and metrics["staleness_hist/0"] == 3.0
     assert metrics["samples"] == 6 and metrics["tokens"] == 12
@@ -105,6 +107,18 @@ def test_temperature_divides_logits(tiny_model_dir, make_group):
     # behaviour logprobs were recorded at T=0.7, so on-policy ratios are exactly 1
     assert metrics["is_ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["is_ratio_min"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["behaviour_kl"] == pytest.approx(0.0, abs=1e-8)
+
+
+def test_behaviour_kl_is_the_k3_estimate_on_generated_tokens(tiny_model_dir, make_group):
+    """Behaviour logprobs lowered by 0.3 on every generated token: r = pi_theta/pi_behaviour = e^0.3 there, so
+    the k3 estimate of KL(pi_behaviour || pi_theta) is e^0.3 - 1 - 0.3 per token."""
+    g = make_group([1.0, 0.0])
+    for s in g.samples:
+        s.behavior_logprobs = s.behavior_logprobs - 0.3 * s.loss_mask
+    metrics = Trainer(TrainerConfig(param_dtype="float32"), tiny_model_dir).train_step([g])
+    assert metrics["is_ratio_mean"] == pytest.approx(math.exp(0.3), rel=1e-4)
+    assert metrics["behaviour_kl"] == pytest.approx(math.exp(0.3) - 1.3, rel=1e-3)
 
 
 def test_staleness_histogram(tiny_model_dir, make_group):
