@@ -76,6 +76,15 @@ class Component:
         return self.name.split(".")[0].split("-")[0]
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of an exited component's process group (each component leads its own session,
+    so its group id is its pid): children that outlived it, e.g. the ranks of a killed ``torchrun``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left in the group
+
+
 def component_argv(command: str, config_path: Path, overrides: list[str], *extra: str) -> list[str]:
     """The command line of one component: ``python -m astraflow <command> CONFIG [overrides] [extra]``."""
     return [sys.executable, "-m", "astraflow", command, str(config_path), *overrides, *extra]
@@ -284,6 +293,7 @@ class Launcher:
                 console.print(f"[yellow]{c.name} did not stop in {grace_s:.0f} s; killing it[/]")
                 c.proc.kill()
                 c.proc.wait()
+            _kill_group(c.proc)
 
     def _supervise(self) -> list[Component]:
         """Report components that died, restart them after their back-off; returns those past their budget."""
@@ -299,6 +309,7 @@ class Launcher:
             if code is None or c.reported:
                 continue
             c.reported = True
+            _kill_group(c.proc)  # what it left running: torchrun's ranks, a vLLM server's engine core
             if code == 0 or self.stopping:
                 continue
             console.print(f"[bold red]component {c.name} died with exit code {code}[/]; "
