@@ -12,6 +12,7 @@ is durable.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from typing import Iterable, Mapping
@@ -203,6 +204,10 @@ class KafkaProducer(Producer):
             self.flush()
 
 
+#: Seconds a consumer's offset commit may take before the consumer is given up (see :meth:`KafkaConsumer.commit`).
+COMMIT_TIMEOUT_S = 60.0
+
+
 class KafkaConsumer(Consumer):
     """A confluent-kafka consumer: manual commits, pending seeks applied on assignment. ``security``:
     librdkafka security properties (:meth:`topics.kafka_security.KafkaSecurity.librdkafka`)."""
@@ -320,20 +325,36 @@ class KafkaConsumer(Consumer):
             except KafkaException:
                 pass  # not fetchable yet right after assignment; retried on the next poll
 
-    def commit(self, offsets) -> None:
+    def commit(self, offsets, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
         if not isinstance(offsets, Mapping):
             offsets = offsets_after(offsets)
         if not offsets:
             return
-        try:
-            result = self._c.commit(offsets=[_tp(tp, off) for tp, off in offsets.items()], asynchronous=False)
-        except KafkaException as e:
-            err = e.args[0]
+        # librdkafka's synchronous commit has no timeout, and one made as the broker stops can wait forever,
+        # even after the broker is back (seen: a trainer blocked in rd_kafka_commit_queue for minutes). It
+        # runs in a thread; past the bound the consumer is given up (FatalBusError: a restart makes a new one).
+        done: dict = {}
+
+        def run() -> None:
+            try:
+                done["result"] = self._c.commit(offsets=[_tp(tp, off) for tp, off in offsets.items()],
+                                                asynchronous=False)
+            except KafkaException as e:
+                done["error"] = e
+
+        worker = threading.Thread(target=run, name=f"commit-{self.group}", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise FatalBusError(f"commit for group {self.group} did not complete in {timeout_s:.0f} s; this consumer "
+                                "is given up")
+        if "error" in done:
+            err = done["error"].args[0]
             # _FATAL: the consumer is unusable, e.g. a static member fenced by its own rejoin after a
             # coordinator failover (FENCED_INSTANCE_ID); only a new consumer (a restart) helps.
             kind = FatalBusError if err.fatal() or err.code() == KafkaError._FATAL else BusError
-            raise kind(f"commit refused for group {self.group}: {e}") from None
-        _check_result("commit", result or [])
+            raise kind(f"commit refused for group {self.group}: {done['error']}") from None
+        _check_result("commit", done.get("result") or [])
 
     def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:
         try:

@@ -32,7 +32,7 @@ from typing import Any
 
 from consumers.serving import ServingStage
 from policies.base import ServingPolicy
-from topics.bus import Bus, BusError, connect
+from topics.bus import Bus, BusError, FatalBusError, connect
 from topics.codec import encode, headers_for
 from topics.follow import LatestByKey
 from topics.kafka_security import KafkaSecurity
@@ -224,6 +224,8 @@ class TrainerService:
                         # offsets either way).
                         try:
                             self.checkpoint()
+                        except FatalBusError:
+                            raise  # the consumer is unusable: a restart resumes from the checkpoint
                         except BusError as e:
                             log.warning("idle checkpoint: offsets not committed yet (%s)", e)
                     if not self.consumer.assignment():
