@@ -282,18 +282,21 @@ class Launcher:
         atomic_write(self.cfg.run_dir / "components.json", json.dumps(codes, indent=1))
 
     def _stop_all(self, grace_s: float = 60.0) -> None:
+        """SIGTERM every live component, the inference servers last (their clients stop first, so no
+        request in flight loses its server); each tier has ``grace_s`` seconds before it is killed."""
         live = [c for c in self.components if c.proc and c.proc.poll() is None]
-        for c in live:
-            c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for c in live:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                console.print(f"[yellow]{c.name} did not stop in {grace_s:.0f} s; killing it[/]")
-                c.proc.kill()
-                c.proc.wait()
-            _kill_group(c.proc)
+        for tier in ([c for c in live if c.kind != "vllm"], [c for c in live if c.kind == "vllm"]):
+            for c in tier:
+                c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for c in tier:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    console.print(f"[yellow]{c.name} did not stop in {grace_s:.0f} s; killing it[/]")
+                    c.proc.kill()
+                    c.proc.wait()
+                _kill_group(c.proc)
 
     def _supervise(self) -> list[Component]:
         """Report components that died, restart them after their back-off; returns those past their budget."""

@@ -86,7 +86,7 @@ class VLLMEngine(Engine):
             ValueError: an empty prompt, or ``sampling.top_p < 1`` (vLLM's processed logprobs would be
                 top-p-renormalised, unlike the trainer's recompute).
             GenerationInterrupted: :attr:`interrupt` was set before the request was sent (a request in
-                flight runs to its end).
+                flight runs to its end), or the request failed once it was set (the server stopping with us).
             RuntimeError: the server failed the request.
         """
         _check_prompts(batch)
@@ -103,7 +103,13 @@ class VLLMEngine(Engine):
         if sampling.seed is not None:
             payload["seed"] = sampling.seed
         version = self._version
-        choices = sorted(self._post("/v1/completions", payload)["choices"], key=lambda c: c["index"])
+        try:
+            answer = self._post("/v1/completions", payload)
+        except RuntimeError:
+            if self.interrupt is not None and self.interrupt.is_set():  # the server went as we stopped
+                raise GenerationInterrupted("interrupted: the request failed while stopping") from None
+            raise
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != len(batch):
             raise RuntimeError(f"vLLM answered {len(choices)} choices for {len(batch)} prompts")
         out = []

@@ -2,12 +2,14 @@
 behaviour logprobs equal the trainer's recompute on the same weights, and a weight update, pulled by the
 server itself from the store (a full snapshot, then a sparse delta), changes what it generates while parity
 holds; a wrong checksum is refused with the old weights kept."""
+import threading
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
-from producers.engines import EngineUpdateError, HFEngine, SamplingParams
+from producers.engines import EngineUpdateError, GenerationInterrupted, HFEngine, SamplingParams
 from producers.vllm_engine import VLLMEngine
 from producers.vllm_server import VLLMServer, server_argv
 from producers.workflows import prompt_ids
@@ -119,3 +121,43 @@ def test_one_worker_runs_in_the_engine_core_unless_the_args_ask_for_parallelism(
         argv = server_argv("py", "m", 8000, extra=extra)
         assert argv.count("--distributed-executor-backend") == extra.count("--distributed-executor-backend")
         assert argv[-len(extra):] == extra
+
+
+def test_a_request_that_fails_as_the_worker_stops_is_an_interruption_not_an_error(tiny_model_dir):
+    """At the end of a run the server may go while a request is in flight: once the engine's interrupt is set,
+    that failure is the stop (GenerationInterrupted, the batch left for redelivery), not a crash of RaaS; the
+    same failure before a stop stays a RuntimeError. The server here is healthy and then drops the completion
+    request's connection, as a stopping vLLM server does."""
+    stopping = threading.Event()
+
+    class DyingServer(BaseHTTPRequestHandler):
+        stops_the_worker = False  # the worker's stop is set while the request is in flight
+
+        def do_GET(self):  # /health
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if DyingServer.stops_the_worker:
+                stopping.set()
+            self.close_connection = True  # no answer: the connection just closes
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), DyingServer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        engine = VLLMEngine(f"http://127.0.0.1:{httpd.server_port}", tiny_model_dir, startup_timeout_s=10)
+        batch = [prompt_ids(engine.tokenizer, "1+1=")]
+        with pytest.raises(RuntimeError, match="/v1/completions") as failed:
+            engine.generate(batch, SAMPLING)
+        assert failed.type is RuntimeError
+        engine.interrupt = stopping
+        DyingServer.stops_the_worker = True
+        with pytest.raises(GenerationInterrupted, match="while stopping"):
+            engine.generate(batch, SAMPLING)
+    finally:
+        httpd.shutdown()
