@@ -199,9 +199,11 @@ class RaasWorker:
         """Why this worker should not roll out now ('' when it should).
 
         Per policy: its engine is more than ``max_staleness`` versions behind the newest durable
-        version or its trainer's reported version (what is rolled out now would be dropped as stale), or
+        version or its trainer's reported version (what is rolled out now would be dropped as stale);
         a batch (``raas.batch_prompts`` groups) on top of the groups in flight would pass
-        :meth:`inflight_limit` (a worker with nothing in flight always rolls out). A policy whose trainer
+        :meth:`inflight_limit` (a worker with nothing in flight always rolls out); or, at the trainer's
+        pace of ``batch_groups`` groups per version, a batch rolled out now would be trained more than
+        ``max_staleness`` versions after its engine's version (the groups in flight are trained first). A policy whose trainer
         has finished, or waits at a barrier for its peers, holds nothing back.
         """
         self.progress.poll()
@@ -225,6 +227,14 @@ class RaasWorker:
             if inflight and inflight + batch > self.inflight_limit(p):
                 return (f"{inflight} groups of {p} in flight, and a batch of {batch} more would pass its limit "
                         f"{self.inflight_limit(p)}")
+            progress, pc = self.progress.latest.get(f"trainer.{p}"), self.cfg.policies[p]
+            if inflight and progress is not None:
+                # the trainer takes the groups in flight first, batch_groups per version: a batch rolled out
+                # now is trained at about version + inflight // batch_groups
+                stale = progress.version + inflight // pc.batch_groups - self.engines[p].version
+                if stale > pc.max_staleness:
+                    return (f"a batch of {p} rolled out now would be trained about {stale} versions stale "
+                            f"({inflight} groups in flight ahead of it; max_staleness {pc.max_staleness})")
         return ""
 
     # -- rollout ---------------------------------------------------------------------------

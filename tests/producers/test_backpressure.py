@@ -95,3 +95,60 @@ raas: {{batch_prompts: 2, max_inflight_groups: 8}}
         producer.close()
     finally:
         worker.close()
+
+
+def test_a_batch_that_would_be_trained_too_stale_is_not_rolled_out(tmp_path, bus_url, tiny_model_dir):
+    """At the trainer's pace (batch_groups per version), a batch started with the groups in flight ahead of it
+    is trained about version + inflight // batch_groups: past max_staleness, the worker waits instead of
+    producing groups only for them to be dropped, and goes on once its engine has the trainer's version."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"""
+run: st{uuid.uuid4().hex[:8]}
+run_dir: {tmp_path / 'run'}
+bus: {bus_url}
+policies:
+  actor: {{model: {tiny_model_dir}, batch_groups: 2, max_staleness: 1, checkpoint_every: 1000}}
+workflow: {{name: single_turn}}
+data: {{sources: [{{name: arith, limit: 20}}], n_samples: 2}}
+sampling: {{max_new_tokens: 2}}
+raas: {{batch_prompts: 2, max_inflight_groups: 100}}
+""")
+    cfg = load_config(path)
+    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
+    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
+    assert acquire_run(cfg) == 20
+    worker = RaasWorker(cfg, 0, bus)
+    producer = bus.producer()
+    produced = lambda: sum(bus.admin().end_offsets(names.trajectories("actor")).values())  # noqa: E731
+
+    def progress(version: int, consumed: int) -> None:
+        msg = TrainerProgress(policy="actor", version=version, consumed=consumed)
+        producer.send(names.control, encode(msg), key="trainer.actor", headers=headers_for(msg))
+        producer.flush()
+
+    try:
+        progress(0, 0)
+        for _ in range(10):
+            worker.step()
+        # 0 in flight: trained at version 0; 2 in flight: at version 1 (staleness 1, allowed); 4: staleness 2
+        assert produced() == 4
+        assert ("a batch of actor rolled out now would be trained about 2 versions stale (4 groups in flight "
+                "ahead of it; max_staleness 1)") in worker.paused_reason
+        # The trainer takes all 4 (the filter moved them) and publishes version 2; the engine pulls it.
+        filt = FilterProcessor(bus, cfg.run, "actor", build_chain([{"name": "accept_all"}]), linger_s=0.0)
+        while filt.totals["consumed"] < 4:
+            filt.step()
+        filt.close()
+        end = sum(bus.admin().end_offsets(names.samples("actor")).values())
+        pub = Publisher(WeightStore(cfg.store, cfg.run), bus, names, "actor")
+        pub.publish(load_file(str(Path(tiny_model_dir) / "model.safetensors")), 2, samples_consumed=end)
+        assert pub.wait(30) and not pub.errors
+        pub.close()
+        progress(2, end)
+        for _ in range(10):
+            worker.step()
+        assert worker.engines["actor"].version == 2 and produced() == 8
+        assert "about 2 versions stale" in worker.paused_reason
+    finally:
+        producer.close()
+        worker.close()
