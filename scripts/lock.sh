@@ -3,11 +3,12 @@
 # Run it deliberately and commit the result; CI and scripts/install.sh only
 # read the locks, they never write them.
 #   scripts/lock.sh [--upgrade]        (--upgrade takes the newest versions allowed)
-# Profiles: dev (what CI installs), gpu (dev + the gpu extra), tracking (dev + tracking).
+# Profiles: dev (what CI installs), gpu (dev + the gpu extra), tracking (dev + tracking), bench (dev + TRL,
+# the baseline of scripts/bench_vs_trl.py, and py-spy).
 # Locks are for CPython 3.11 on x86_64 manylinux, with sha256 hashes.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-for profile in dev gpu tracking; do
+for profile in dev gpu tracking bench; do
   extras=(--extra dev)
   [ "$profile" = dev ] || extras+=(--extra "$profile")
   echo "[lock] requirements/$profile.lock" >&2

@@ -1,0 +1,237 @@
+#!/usr/bin/env python
+"""AstraFlow against TRL's ``GRPOTrainer`` on the same workload and cores: reward against wall time.
+
+The workload is arith-tiny's (``examples/arith-tiny.yaml``): the built-in tiny model, the ``arith`` source,
+the exact-answer reward (:func:`producers.rewards.arith_reward`, the same function for both), 16 prompts x
+G=16 samples per step, 4 new tokens, temperature 1.8, AdamW at lr 5e-4 (constant, no weight decay, gradient
+norm clipped at 1), float32, no KL penalty. The two systems run one after the other, each given the same
+cores (``--cpus``, by CPU affinity; torch threads = their number):
+
+* **TRL** 1.16 (the ``bench`` extra: ``scripts/install.sh bench``): one process, ``GRPOTrainer`` with
+  ``use_cpu=True``, ``beta=0``, ``num_generations=16``, ``per_device_train_batch_size=256``,
+  ``max_completion_length=4``, ``lr_scheduler_type="constant"``, prompts in the tiny model's chat format
+  (the token ids AstraFlow's rollout sends). It is on-policy: each step generates, scores and trains.
+* **AstraFlow**: ``astraflow run examples/arith-tiny.yaml`` (embedded bus, local store, its processes
+  placed by the launcher on the same cores), ``--set`` overrides passed on.
+
+Both clocks start when the process is launched (imports, model load and, for AstraFlow, its components'
+start-up count). The **threshold** is the reward TRL reaches: the mean training reward of its last 20% of
+steps. **Time to threshold** is the first wall time at which a system's reward, averaged over its last 20
+steps, reaches it (None when it never does). **Reward at equal time** is each system's 20-step average at
+the wall time TRL took for all its steps.
+
+Printed: per run the wall time and reward gain, a table (time to threshold, reward at equal time, steps per
+second), the curves as one PNG (``--png``), and a last JSON line ``{"metric": "time_to_reward_vs_trl",
+"ours": s, "baseline": s, "ratio": ours / baseline, ...}``.
+
+Usage: ``scripts/bench_vs_trl.py [--quick] [--steps N] [--repeats N] [--cpus 0,1] [--png PATH]
+[--set KEY=VALUE ...]``; ``--quick``: 200 steps, one repetition (~2 minutes on 2 quiet cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+EXAMPLE = ROOT / "examples" / "arith-tiny.yaml"
+WINDOW = 20  # steps in the moving average
+PROMPTS_PER_STEP, GROUP = 16, 16
+
+
+def trl_worker(steps: int, seed: int, out: Path, t0: float) -> None:
+    """Run TRL's GRPOTrainer on arith-tiny in this process; append ``{"t", "step", "reward"}`` per step to
+    ``out`` (``t``: seconds since ``t0``, a ``time.time()`` taken when the process was launched)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from astraflow.models import resolve_model
+    from producers.rewards import arith_reward
+    from producers.sources import load_source
+
+    torch.manual_seed(seed)
+    model_dir = resolve_model("tiny")
+    source = load_source("arith", seed=seed)
+    rows = [source[i] for i in range(steps * PROMPTS_PER_STEP)]
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": p.text}], "index": i} for i, p in enumerate(rows)])
+
+    def reward(prompts, completions, index, **_):
+        return [arith_reward(rows[i], c[0]["content"]) for c, i in zip(completions, index)]
+
+    class Clock(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                with out.open("a") as f:
+                    f.write(json.dumps({"t": time.time() - t0, "step": state.global_step,
+                                        "reward": logs["reward"]}) + "\n")
+
+    config = GRPOConfig(output_dir=str(out.parent / "trl-out"), use_cpu=True, beta=0.0, num_generations=GROUP,
+                        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, max_completion_length=4,
+                        temperature=1.8, learning_rate=5e-4, lr_scheduler_type="constant", weight_decay=0.0,
+                        max_grad_norm=1.0, max_steps=steps, logging_steps=1, save_strategy="no", report_to="none",
+                        seed=seed, bf16=False, disable_tqdm=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
+                processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Clock()]).train()
+
+
+def run_trl(steps: int, seed: int, cpus: list[int], work: Path) -> list[dict]:
+    """TRL in a child process pinned to ``cpus``; its per-step rows.
+
+    Raises:
+        RuntimeError: TRL is not installed (``scripts/install.sh bench``) or the run failed.
+    """
+    out = work / f"trl-{seed}.jsonl"
+    cmd = [sys.executable, __file__, "--trl-worker", str(out), "--steps", str(steps), "--seed", str(seed)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)), "ASTRAFLOW_BENCH_T0": repr(time.time())}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
+                          preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+    if done.returncode != 0:
+        raise RuntimeError(f"TRL run exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def run_ours(steps: int, seed: int, cpus: list[int], extra: list[str], work: Path) -> list[dict]:
+    """``astraflow run`` of the example pinned to ``cpus``; per trainer step ``{"t", "step", "reward"}``.
+
+    Raises:
+        RuntimeError: the run failed (its stderr tail in the message).
+    """
+    run_dir = work / f"ours-{seed}"
+    cmd = [sys.executable, "-m", "astraflow", "run", str(EXAMPLE), f"run=vstrl{uuid.uuid4().hex[:8]}",
+           f"run_dir={run_dir}", f"policies.actor.steps={steps}", f"seed={seed}", f"data.shuffle_seed={seed}",
+           *extra]
+    t0 = time.time()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the launcher places its components
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
+                          preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[3:])} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_seen = {}
+    for r in rows:
+        if r.get("kind") == "trainer" and r.get("step") and "reward_mean" in r["values"]:
+            steps_seen.setdefault(r["step"], {"t": r["ts"] - t0, "step": r["step"], "reward": r["values"]["reward_mean"]})
+    return [steps_seen[k] for k in sorted(steps_seen)]
+
+
+def moving(rows: list[dict]) -> list[tuple[float, float]]:
+    """(wall time, mean reward of the last :data:`WINDOW` steps) at each step."""
+    out, acc = [], 0.0
+    for i, r in enumerate(rows):
+        acc += r["reward"] - (rows[i - WINDOW]["reward"] if i >= WINDOW else 0.0)
+        out.append((r["t"], acc / min(i + 1, WINDOW)))
+    return out
+
+
+def fifth_means(rows: list[dict]) -> tuple[float, float]:
+    """Mean reward of the first and of the last 20% of steps."""
+    k = max(1, len(rows) // 5)
+    return statistics.fmean(r["reward"] for r in rows[:k]), statistics.fmean(r["reward"] for r in rows[-k:])
+
+
+def time_to(curve: list[tuple[float, float]], threshold: float) -> float | None:
+    """The first wall time at which the moving average reaches ``threshold`` (None: never)."""
+    return next((t for t, r in curve[WINDOW - 1:] if r >= threshold), None)
+
+
+def at_time(curve: list[tuple[float, float]], t: float) -> float | None:
+    """The moving average at the last step logged by wall time ``t`` (None: no step yet)."""
+    seen = [r for s, r in curve if s <= t]
+    return seen[-1] if seen else None
+
+
+def plot(runs: dict[str, list[list[dict]]], threshold: float, path: Path) -> None:
+    """Reward (moving average) against wall time, every run of both systems, the threshold dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (name, rs), colour in zip(runs.items(), ("tab:blue", "tab:orange")):
+        for i, rows in enumerate(rs):
+            t, r = zip(*moving(rows))
+            ax.plot(t, r, color=colour, lw=1.3, alpha=0.85, label=name if i == 0 else None)
+    ax.axhline(threshold, color="grey", ls="--", lw=1, label="TRL's last-20% reward")
+    ax.set_xlabel("wall time since launch (s)")
+    ax.set_ylabel(f"training reward (moving average {WINDOW} steps)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="200 steps, one repetition")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 400; --quick 200)")
+    ap.add_argument("--repeats", type=int, default=None, help="repetitions (default 2; --quick 1)")
+    ap.add_argument("--cpus", default=None, help="CPU ids both systems get (default: all this process may use)")
+    ap.add_argument("--png", type=Path, default=ROOT / "docs" / "vs_trl.png")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for our run")
+    ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    steps = args.steps or (200 if args.quick else 400)
+    if args.trl_worker:
+        trl_worker(steps, args.seed, args.trl_worker, float(os.environ["ASTRAFLOW_BENCH_T0"]))
+        return
+    repeats = args.repeats or (1 if args.quick else 2)
+    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
+    runs: dict[str, list[list[dict]]] = {"TRL GRPOTrainer": [], "AstraFlow": []}
+    with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
+        for r in range(repeats):
+            for name, fn in (("TRL GRPOTrainer", lambda: run_trl(steps, r, cpus, Path(tmp))),
+                             ("AstraFlow", lambda: run_ours(steps, r, cpus, args.set, Path(tmp)))):
+                rows = fn()
+                runs[name].append(rows)
+                first, last = fifth_means(rows)
+                print(f"{name} repeat {r}: {len(rows)} steps in {rows[-1]['t']:.1f} s, reward {first:.3f} -> "
+                      f"{last:.3f} ({last - first:+.3f})", flush=True)
+    threshold = statistics.fmean(fifth_means(rows)[1] for rows in runs["TRL GRPOTrainer"])
+    equal_t = statistics.fmean(rows[-1]["t"] for rows in runs["TRL GRPOTrainer"])
+    print(f"\narith-tiny, {steps} steps, {repeats} repetition(s), cpus {cpus}; threshold {threshold:.3f} "
+          f"(TRL's last-20% reward), equal time {equal_t:.1f} s (TRL's whole run)")
+    print("| system | wall time (s) | steps/s | reward first 20% -> last 20% | time to threshold (s) "
+          f"| reward at {equal_t:.0f} s |")
+    print("|---|---|---|---|---|---|")
+    summary = {}
+    for name, rs in runs.items():
+        walls = [rows[-1]["t"] for rows in rs]
+        firsts, lasts = zip(*(fifth_means(rows) for rows in rs))
+        reach = [time_to(moving(rows), threshold) for rows in rs]
+        at = [at_time(moving(rows), equal_t) for rows in rs]
+        rate = statistics.fmean(len(rows) / rows[-1]["t"] for rows in rs)
+        reach_mean = None if None in reach else statistics.fmean(reach)
+        at_mean = None if None in at else statistics.fmean(at)
+        summary[name] = {"wall_s": round(statistics.fmean(walls), 1), "time_to_threshold_s": reach_mean,
+                         "reward_at_equal_time": at_mean, "reward_first": round(statistics.fmean(firsts), 4),
+                         "reward_last": round(statistics.fmean(lasts), 4), "steps_per_s": round(rate, 2)}
+        print(f"| {name} | {statistics.fmean(walls):.1f} | {rate:.2f} | {statistics.fmean(firsts):.3f} -> "
+              f"{statistics.fmean(lasts):.3f} | "
+              + ("never" if reach_mean is None else f"{reach_mean:.1f}") + " | "
+              + ("-" if at_mean is None else f"{at_mean:.3f}") + " |")
+    args.png.parent.mkdir(parents=True, exist_ok=True)
+    plot(runs, threshold, args.png)
+    print(f"reward curves: {args.png}")
+    ours, base = summary["AstraFlow"]["time_to_threshold_s"], summary["TRL GRPOTrainer"]["time_to_threshold_s"]
+    print(json.dumps({"metric": "time_to_reward_vs_trl", "ours": ours, "baseline": base,
+                      "ratio": None if ours is None or not base else round(ours / base, 3),
+                      "threshold": round(threshold, 4), "steps": steps, "repeats": repeats, "cpus": cpus,
+                      "systems": summary}))
+
+
+if __name__ == "__main__":
+    main()
