@@ -152,13 +152,18 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 
 @app.command()
 def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
-            policy: str = typer.Option(..., "--policy", help="the policy to train")) -> None:
+            policy: str = typer.Option(..., "--policy", help="the policy to train"),
+            local_rank: Optional[int] = typer.Option(None, "--local_rank", "--local-rank", hidden=True,
+                                                     help="set by the DeepSpeed launcher (LOCAL_RANK)")) -> None:
     """Run one policy's trainer: consume `samples.<policy>` (group `trainer.<policy>`), train with
     GRPO/PPO, publish weights to the store and `weights`. Resumes from its last checkpoint;
     SIGTERM checkpoints and stops. With `coupling: barrier` it starts step v+1 only once every
     other policy of the config has announced version v. With `trainer.ranks` N > 1 run it under
-    `torchrun --standalone --nproc_per_node N -m astraflow trainer ...` (as `astraflow run` does):
-    rank 0 reads the bus, publishes and checkpoints, all ranks train (FSDP2)."""
+    `torchrun --standalone --nproc_per_node N -m astraflow trainer ...` (as `astraflow run` does) or,
+    with `trainer.backend: deepspeed`, the DeepSpeed launcher (`deepspeed --num_gpus N -m astraflow
+    trainer ...`): rank 0 reads the bus, publishes and checkpoints, all ranks train (FSDP2 or ZeRO)."""
+    if local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
     from astraflow.models import resolve_model
     from policies.registry import build_serving
     from topics.bus import connect
@@ -217,8 +222,6 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     (bit-exact on CPU); without them, the serving stage re-serves the topic (not bit-exact).
     Prints a table and a JSON line {"metric": "replay", "versions", "matched", "mismatched", ...};
     exits 1 when an exact replay mismatches or cannot find its groups."""
-    import os
-
     cfg = _load(config, overrides)
     if policy not in cfg.policies:
         typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)

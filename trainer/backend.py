@@ -1,8 +1,10 @@
 """The optimisation backend of the :class:`~trainer.loop.Trainer`: plain torch (the default, one process).
 
-A backend owns the optimizer. The trainer calls, per optimiser step, ``backward``
-on each micro-batch's loss (``boundary=True`` on the last one), then ``step``.
-The DeepSpeed backend (:mod:`trainer.deepspeed_backend`) has the same methods.
+A backend owns the optimizer. The trainer calls, per optimiser step, ``begin_micro_batch`` before each
+micro-batch's forward pass (``boundary=True`` on the last one) and ``backward`` on its loss, then ``step``.
+The FSDP2 (:class:`trainer.distributed.FSDPBackend`) and DeepSpeed (:mod:`trainer.deepspeed_backend`) backends
+have the same methods, and write their checkpoints' model and optimizer state themselves
+(``save_sharded``/``load_sharded`` into the subdirectory ``CHECKPOINT_DIR`` names).
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ class TorchBackend:
         optimizer: the ``torch.optim.AdamW`` instance (checkpointed).
     """
 
+    #: None: checkpoints hold ``model/`` and ``optimizer.pt`` (:func:`trainer.checkpoint.save_checkpoint`)
+    CHECKPOINT_DIR: str | None = None
+
     def __init__(self, model: torch.nn.Module, config: TrainerConfig):
         self.model = self.forward_model = model
         self.max_grad_norm = config.max_grad_norm
@@ -29,7 +34,10 @@ class TorchBackend:
         """Clear the gradients before a new optimiser step."""
         self.optimizer.zero_grad(set_to_none=True)
 
-    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+    def begin_micro_batch(self, boundary: bool) -> None:
+        """Nothing to prepare in one process."""
+
+    def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of ``loss`` (already normalised for accumulation)."""
         loss.backward()
 

@@ -9,10 +9,11 @@ Layout under a checkpoint root::
         meta.json         {"version", "offsets": [[topic, partition, offset], ...], "created_ts", ...}
     LATEST                the name of the newest complete checkpoint
 
-A checkpoint of a multi-rank (FSDP2) trainer (:func:`save_distributed_checkpoint`) has no
+A checkpoint of a multi-rank (FSDP2) or DeepSpeed trainer (:func:`save_distributed_checkpoint`) has no
 ``optimizer.pt``: model and optimizer state are in ``dcp/``, written by every rank with
-``torch.distributed.checkpoint`` (loadable on any number of ranks); ``model/`` holds the gathered
-full weights (for inspection and replays), written by rank 0.
+``torch.distributed.checkpoint`` (loadable on any number of ranks), or in ``deepspeed/``, written by
+every rank with DeepSpeed's ``save_checkpoint`` (loadable on the same number of ranks and ZeRO stage);
+``model/`` holds the gathered full weights (for inspection and replays), written by rank 0.
 
 A checkpoint is written into a temporary directory and renamed into place under
 a name no earlier save used, then ``LATEST`` is replaced atomically, and only then
@@ -36,6 +37,9 @@ from astraflow.files import atomic_write
 from topics.bus import TopicPartition
 
 LATEST = "LATEST"
+#: the subdirectories a backend writes its own model and optimizer state to (``CHECKPOINT_DIR`` of
+#: :class:`trainer.distributed.FSDPBackend` and :class:`trainer.deepspeed_backend.DeepSpeedBackend`)
+SHARDED_DIRS = ("dcp", "deepspeed")
 
 
 @dataclass
@@ -54,8 +58,9 @@ class Checkpoint:
     offsets: dict[TopicPartition, int]
     serving: dict[str, Any] = field(default_factory=dict)
     policies: dict[str, Any] = field(default_factory=dict)
-    #: the DCP directory (model + optimizer shards) of a multi-rank checkpoint, else None (``optimizer`` is {})
-    dcp_dir: Path | None = None
+    #: the directory of the model and optimizer state the backend wrote itself (``dcp`` for FSDP2, ``deepspeed``
+    #: for DeepSpeed), else None; with one, ``optimizer`` is {}
+    sharded_dir: Path | None = None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -139,8 +144,9 @@ def save_distributed_checkpoint(root: str | Path, *, version: int, backend: Any,
     """:func:`save_checkpoint` for a multi-rank trainer: a collective, called by every rank with the same
     ``root`` (a file system all ranks share) and ``version``.
 
-    Every rank writes its shards of the model and optimizer to ``dcp/`` through
-    ``backend.save_sharded`` (:meth:`trainer.distributed.FSDPBackend.save_sharded`); rank 0 also
+    Every rank writes its shards of the model and optimizer to ``backend.CHECKPOINT_DIR`` through
+    ``backend.save_sharded`` (:meth:`trainer.distributed.FSDPBackend.save_sharded`,
+    :meth:`trainer.deepspeed_backend.DeepSpeedBackend.save_sharded`); rank 0 also
     writes ``model/`` from the gathered full weights, ``state.pt`` and ``meta.json``, and publishes
     the checkpoint atomically as :func:`save_checkpoint` does. ``offsets``, ``serving`` and
     ``policies`` are rank 0's (ignored elsewhere).
@@ -157,7 +163,7 @@ def save_distributed_checkpoint(root: str | Path, *, version: int, backend: Any,
     first = rank() == 0
     name, tmp = broadcast_object(_new_tmp(root, version) if first else None)
     try:
-        backend.save_sharded(tmp / "dcp")
+        backend.save_sharded(tmp / backend.CHECKPOINT_DIR)
         full = backend.full_state_dict()
     except BaseException:
         if first:
@@ -206,12 +212,12 @@ def load_checkpoint(path: str | Path, named_by: Path | None = None) -> Checkpoin
     try:
         meta = json.loads((path / "meta.json").read_text())
         state = torch.load(path / "state.pt", weights_only=False)
-        dcp_dir = path / "dcp" if (path / "dcp").is_dir() else None
-        optimizer = {} if dcp_dir is not None else torch.load(path / "optimizer.pt", weights_only=False)
+        sharded_dir = next((path / d for d in SHARDED_DIRS if (path / d).is_dir()), None)
+        optimizer = {} if sharded_dir is not None else torch.load(path / "optimizer.pt", weights_only=False)
     except (OSError, ValueError) as e:
         raise ValueError(f"checkpoint {path} named by {latest} is unreadable: {e}") from e
     return Checkpoint(
         path=path, version=int(meta["version"]), model_dir=path / "model", optimizer=optimizer,
         offsets={TopicPartition(t, int(p)): int(o) for t, p, o in meta["offsets"]},
-        serving=state["serving"], policies=state["policies"], dcp_dir=dcp_dir,
+        serving=state["serving"], policies=state["policies"], sharded_dir=sharded_dir,
     )

@@ -46,7 +46,9 @@ def init(config: TrainerConfig) -> torch.device:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_*``)
     and return this rank's device: ``cuda:LOCAL_RANK`` when CUDA is used, else ``cpu``.
 
-    The backend is nccl on CUDA, gloo on CPU. A process group already initialised is reused.
+    The backend is nccl on CUDA, gloo on CPU. A process group already initialised is reused. One rank
+    started without torchrun (the DeepSpeed backend needs a process group even alone) gets a group of
+    its own, in memory.
 
     Raises:
         RuntimeError: ``WORLD_SIZE`` is not ``config.ranks`` (e.g. started without torchrun).
@@ -61,7 +63,14 @@ def init(config: TrainerConfig) -> torch.device:
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            for key in ("RANK", "LOCAL_RANK"):
+                os.environ.setdefault(key, "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=COLLECTIVE_TIMEOUT)
+        else:
+            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
     return device
 
 
@@ -106,6 +115,9 @@ class FSDPBackend:
         optimizer: AdamW over the sharded parameters (its state is sharded too).
     """
 
+    #: the checkpoint subdirectory its sharded state goes to (:func:`trainer.checkpoint.save_distributed_checkpoint`)
+    CHECKPOINT_DIR = "dcp"
+
     def __init__(self, model: torch.nn.Module, config: TrainerConfig):
         from torch.distributed.fsdp import fully_shard
 
@@ -122,7 +134,10 @@ class FSDPBackend:
         """Clear the (sharded) gradients before a new optimiser step."""
         self.optimizer.zero_grad(set_to_none=True)
 
-    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+    def begin_micro_batch(self, boundary: bool) -> None:
+        """Nothing to prepare: every backward reduce-scatters."""
+
+    def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of ``loss``; FSDP reduce-scatters it across ranks.
 
         FSDP averages over the ranks, and each rank's micro-batch losses are already normalised for the

@@ -57,27 +57,30 @@ class Trainer:
 
     def __init__(self, config: TrainerConfig, model_dir: str | Path, *, publisher: WeightPublisher | None = None):
         self.config = config
-        if config.ranks > 1:
+        if config.ranks > 1 or config.backend == "deepspeed":
             from trainer import distributed
 
-            self.device = distributed.init(config)  # joins the torchrun process group
+            self.device = distributed.init(config)  # joins the torchrun process group (alone: its own)
         else:
             self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         load_dtype = "float32" if config.master_fp32 else config.param_dtype
-        self.model = load_causal_lm(model_dir, load_dtype, self.device)
+        # the reference model first: under ZeRO-3 a model loaded later is created partitioned
         self.ref_model = (load_causal_lm(model_dir, config.param_dtype, self.device, trainable=False)
                           if config.kl_coef > 0 else None)
         if config.backend == "deepspeed":
             from trainer.deepspeed_backend import DeepSpeedBackend
 
-            self.backend = DeepSpeedBackend(self.model, config)
-        elif config.ranks > 1:
-            from trainer.distributed import FSDPBackend
-
-            self.backend = FSDPBackend(self.model, config)
+            self.backend = DeepSpeedBackend.load(model_dir, load_dtype, self.device, config)
         else:
-            self.backend = TorchBackend(self.model, config)
+            model = load_causal_lm(model_dir, load_dtype, self.device)
+            if config.ranks > 1:
+                from trainer.distributed import FSDPBackend
+
+                self.backend = FSDPBackend(model, config)
+            else:
+                self.backend = TorchBackend(model, config)
+        self.model = self.backend.model
         self.optimizer = self.backend.optimizer
         self.publisher = publisher
         self.version = 0
@@ -94,13 +97,20 @@ class Trainer:
     def restore(self, ckpt: Checkpoint) -> None:
         """Load a :class:`trainer.checkpoint.Checkpoint`: its weights, optimizer state and version.
 
-        A checkpoint written on several ranks (``ckpt.dcp_dir`` set) is loaded through DCP by every rank
-        (a collective; any number of ranks)."""
-        if ckpt.dcp_dir is not None:
-            if not hasattr(self.backend, "load_sharded"):
-                raise ValueError(f"checkpoint {ckpt.path} was written by a multi-rank trainer (DCP); "
-                                 f"resume it with trainer.ranks > 1")
-            self.backend.load_sharded(ckpt.dcp_dir)
+        A checkpoint whose model and optimizer state its backend wrote (``ckpt.sharded_dir`` set: FSDP2's DCP
+        or DeepSpeed's) is loaded by the same backend on every rank (a collective).
+
+        Raises:
+            ValueError: the checkpoint was written by another backend than this trainer's.
+        """
+        written_by = ckpt.sharded_dir.name if ckpt.sharded_dir is not None else None
+        if written_by != self.backend.CHECKPOINT_DIR:
+            names = {None: "one plain process (trainer.ranks 1, backend torch)", "dcp": "FSDP2 (trainer.ranks > 1)",
+                     "deepspeed": "DeepSpeed (trainer.backend deepspeed)"}
+            raise ValueError(f"checkpoint {ckpt.path} was written by {names.get(written_by, written_by)}; this "
+                             f"trainer is {names.get(self.backend.CHECKPOINT_DIR)}: resume it with the same backend")
+        if ckpt.sharded_dir is not None:
+            self.backend.load_sharded(ckpt.sharded_dir)
             self.version = ckpt.version
             return
         saved = load_causal_lm(ckpt.model_dir, "float32" if self.config.master_fp32 else self.config.param_dtype,
@@ -201,6 +211,7 @@ class Trainer:
                     idx = m_idx[u_start: u_start + micro]
                     b = full.select(idx)
                     width = b.input_ids.shape[1]
+                    self.backend.begin_micro_batch(i == passes - 1)
                     logp, ent = self._logprobs(self.backend.forward_model, b, with_entropy=True)
                     out = losses.policy_loss(
                         logp, logp.detach() if reuse_logp else old_logp[idx, :width], b.behavior_logp, advantages[idx], b.loss_mask,
@@ -209,12 +220,9 @@ class Trainer:
                         ref_logp=None if ref_logp is None else ref_logp[idx, :width], kl_coef=cfg.kl_coef,
                         entropy=ent, entropy_coef=cfg.entropy_coef, agg=cfg.loss_agg,
                         n_tokens=n_tokens, n_seqs=len(m_idx), norm_len=cfg.norm_len)
-                    if self.world > 1:
-                        self.backend.backward(out.loss * 0.0 if dummy else out.loss, boundary=i == passes - 1)
-                        if dummy:
-                            continue
-                    else:
-                        self.backend.backward(out.loss, boundary=u_start + micro >= len(m_idx))
+                    self.backend.backward(out.loss * 0.0 if dummy else out.loss)
+                    if dummy:
+                        continue
                     valid = b.loss_mask.bool()
                     # micro-batch losses add up to their mini-batch's; mini-batches weigh by size
                     for key in ("loss", "pg_loss", "kl", "entropy"):

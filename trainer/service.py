@@ -170,7 +170,7 @@ class TrainerService:
         patiently(f"trainer.{self.config.trainer.policy}: trained batches", self.producer.flush, log=log)
         offsets = self.serving.offsets_to_commit()
         policies = {"replay": self.replay.state_dict()} if self.replay is not None else {}
-        if self._ranks > 1:
+        if self.trainer.backend.CHECKPOINT_DIR is not None:  # FSDP2 on several ranks, or DeepSpeed
             self._command("checkpoint")
             path = save_distributed_checkpoint(
                 self.run_dir / CHECKPOINTS, version=self.trainer.version, backend=self.trainer.backend,

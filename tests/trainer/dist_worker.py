@@ -1,7 +1,7 @@
 """Trains a Trainer on fixed synthetic batches; run alone (1 rank) or under torchrun (N ranks).
 
-Usage: ``python dist_worker.py MODEL_DIR OUT RANKS`` (under ``torchrun --nproc_per_node RANKS`` when
-RANKS > 1). Rank 0 writes ``OUT`` (``torch.save`` of {"weights": name -> float32 tensor, "metrics":
+Usage: ``python dist_worker.py MODEL_DIR OUT RANKS [BACKEND]`` (under ``torchrun --nproc_per_node RANKS``
+when RANKS > 1); BACKEND: ``torch`` (the default: FSDP2 on several ranks) or ``deepspeed`` (ZeRO-2). Rank 0 writes ``OUT`` (``torch.save`` of {"weights": name -> float32 tensor, "metrics":
 [per-step metrics dicts], "published": [versions]}).
 """
 import sys
@@ -48,17 +48,17 @@ class Recorder:
         self.state = {k: v.float().clone() for k, v in state_dict.items()}
 
 
-def main(model_dir: str, out: str, ranks: str) -> None:
+def main(model_dir: str, out: str, ranks: str, backend: str = "torch") -> None:
     torch.set_num_threads(1)
     import os
 
     rank = int(os.environ.get("RANK", "0"))
     pub = Recorder() if rank == 0 else None
-    trainer = Trainer(TrainerConfig(policy="pol", ranks=int(ranks), **CONFIG), model_dir, publisher=pub)
+    trainer = Trainer(TrainerConfig(policy="pol", ranks=int(ranks), backend=backend, **CONFIG), model_dir, publisher=pub)
     metrics = [trainer.train_step(b) for b in batches()]
     if rank == 0:
         torch.save({"weights": pub.state, "metrics": metrics, "published": pub.versions}, out)
-    if int(ranks) > 1:
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
