@@ -108,18 +108,29 @@ LAUNCHER_PID_ENV = "ASTRAFLOW_LAUNCHER_PID"
 ORPHAN_GRACE_S = 30.0
 
 
+def process_start_time(pid: int) -> int | None:
+    """The start time of live process ``pid`` (clock ticks since boot, field 22 of ``/proc/PID/stat``), which
+    tells it from a later process given the same pid; None when there is no such process or it is a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 def watch_launcher(name: str, stop: threading.Event, poll_s: float = 1.0) -> threading.Thread | None:
     """In a component started by ``astraflow run`` (``$ASTRAFLOW_LAUNCHER_PID`` set), watch the launcher: once
-    this process's parent is no longer that pid (the launcher was killed, even by SIGKILL: components run in
-    their own sessions, so nothing else reaches them), log it, set ``stop`` and, if the component has not
-    exited ``ORPHAN_GRACE_S`` seconds later, exit with status 1. Returns the watching daemon thread, or None
-    outside a launched run."""
+    that process is gone (killed, even by SIGKILL: components run in their own sessions, so nothing else
+    reaches them; a rank under torchrun has torchrun as its parent, so it is the launcher itself that is
+    watched), log it, set ``stop`` and, if the component has not exited ``ORPHAN_GRACE_S`` seconds later,
+    exit with status 1. Returns the watching daemon thread, or None outside a launched run."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if not launcher:
         return None
+    started = process_start_time(int(launcher))
 
     def watch() -> None:
-        while os.getppid() == int(launcher):
+        while started is not None and process_start_time(int(launcher)) == started:
             time.sleep(poll_s)
         print(f"{name}: the launcher (pid {launcher}) is gone: stopping, exiting in at most {ORPHAN_GRACE_S:.0f} s",
               file=sys.stderr, flush=True)

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from run_checks import assert_exactly_once, finish, wait_for_steps
 
+from astraflow.launcher import process_start_time
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
 
@@ -64,10 +66,7 @@ def test_a_run_that_does_not_reach_its_steps_exits_non_zero(tmp_path):
 
 def _running(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie that nobody reaped is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+    return process_start_time(pid) is not None
 
 
 @pytest.mark.slow
