@@ -668,7 +668,55 @@ def step_sglang(ctx: Ctx) -> str:
     return f"SGLang {info['version']}: {ctx.metrics['tokens_per_s']:,.0f} tokens/s"
 
 
-STEPS = {"env": step_env, "build": step_build, "engine": step_engine, "trainer": step_trainer,
+def step_ranks(ctx: Ctx) -> str:
+    """``trainer.ranks`` on the lent GPUs: 3 steps of fixed batches (``tests/trainer/dist_worker.py``, float32)
+    on one rank, and with 2 or more GPUs on 2 ranks under torchrun, FSDP2 over nccl and (where deepspeed
+    imports) DeepSpeed ZeRO-2; each 2-rank run must publish every version once and end within float32 rounding
+    of the 1-rank weights (attention key biases, whose gradient is rounding noise, left out)."""
+    torch = need_torch_device(ctx)
+    model_dir = need_model(ctx)
+    gpus = torch.cuda.device_count() if ctx.cuda else 2
+    worker = ROOT / "tests" / "trainer" / "dist_worker.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def train(ranks: int, backend: str) -> tuple[dict, float]:
+        out = ctx.work / f"ranks-{ranks}-{backend}.pt"
+        args = [str(worker), str(model_dir), str(out), str(ranks), backend]
+        cmd = ([sys.executable, *args] if ranks == 1 else
+               [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), *args])
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(30, ctx.left() - 15))
+        assert done.returncode == 0, (f"{ranks} rank(s), backend {backend}: exit {done.returncode}: "
+                                      f"{(done.stdout + done.stderr)[-1500:]}")
+        return torch.load(out, weights_only=False), time.perf_counter() - t0
+
+    one, seconds = train(1, "torch")
+    from trainer.model import load_causal_lm
+
+    init = load_causal_lm(model_dir, "float32").state_dict()
+    moved = max(float((one["weights"][k] - init[k]).abs().max()) for k in init)
+    ctx.metrics["one_rank_s"], ctx.metrics["moved"] = round(seconds, 1), moved
+    log(f"1 rank: {seconds:.1f} s, published {one['published']}, weights moved by up to {moved:.2e}")
+    assert moved > 1e-4, f"3 steps at lr 1e-3 moved no weight by more than {moved:.2e}"
+    if gpus < 2:
+        return f"1 GPU: 1 rank trained and published {one['published']} in {seconds:.0f} s (2 ranks need 2 GPUs)"
+    done = []
+    for backend in ("torch", "deepspeed"):
+        if backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            log("deepspeed does not import here: ZeRO-2 not run")
+            continue
+        two, seconds = train(2, backend)
+        assert two["published"] == [1, 2, 3], f"{backend}: published {two['published']}"
+        gap = max(float((one["weights"][k] - two["weights"][k]).abs().max())
+                  for k in one["weights"] if not k.endswith(".self_attn.k_proj.bias"))
+        ctx.metrics[f"two_ranks_{backend}_s"], ctx.metrics[f"two_ranks_{backend}_max_gap"] = round(seconds, 1), gap
+        log(f"2 ranks {backend}: {seconds:.1f} s, max |w2 - w1| {gap:.2e}")
+        assert gap <= 1e-4, f"{backend} on 2 ranks ends {gap:.2e} from 1 rank (bound 1e-4)"
+        done.append(f"{'FSDP2' if backend == 'torch' else 'ZeRO-2'} {gap:.1e}")
+    return f"2 ranks match 1 within float32 rounding ({', '.join(done)})"
+
+
+STEPS = {"env": step_env, "build": step_build, "engine": step_engine, "trainer": step_trainer, "ranks": step_ranks,
          "bench": step_bench, "vllm": step_vllm, "sglang": step_sglang}
 
 

@@ -12,6 +12,8 @@
 #            against the trainer's teacher-forced recompute, a load_weights update
 #   trainer  trainer.loop.Trainer on CUDA: 3 GRPO steps on 8 groups x 8 of the engine's rollouts; step time,
 #            finite loss, weights changed, the bf16 delta of the trained weights encoded and applied bit-exact
+#   ranks    trainer.ranks: 3 fixed steps on 1 rank and, with 2+ GPUs, on 2 ranks under torchrun (FSDP2, then
+#            DeepSpeed ZeRO-2 where it imports); every version published once, 2-rank weights = 1-rank weights
 #   bench    scripts/bench_weights.py as it is (--model <built model> --quick --lrs 1e-6); a CPU benchmark;
 #            synthetic GSM8K-shaped text stands in when its data file is absent
 #   vllm     VLLMServer + VLLMEngine where some Python imports a CUDA vllm (.venv-vllm, GPU_CHECK_VLLM_PYTHON, ...)
@@ -152,6 +154,7 @@ fi
 run_step build 100 30
 run_step engine 100 30
 run_step trainer 130 40
+run_step ranks 120 40
 run_step bench 160 40
 run_step vllm 200 30
 run_step sglang 200 30

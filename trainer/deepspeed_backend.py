@@ -4,7 +4,8 @@ It trains one policy on ``trainer.ranks`` processes like the FSDP2 backend (:mod
 the launcher starts them under torchrun (the DeepSpeed launcher works too: its ``--local_rank`` argument is
 accepted), rank 0 alone reads the bus and hands each batch to the others, rank r runs micro-batches r, r+N,
 ... of each mini-batch, and rank 0 publishes. On the CPU (no CUDA device) DeepSpeed's ``cpu`` accelerator is
-selected (``DS_ACCELERATOR=cpu``) and the ranks talk over gloo.
+selected (``DS_ACCELERATOR=cpu``) and the ranks talk over gloo (DeepSpeed's shared-memory allreduce, a C++
+op it would compile at start-up, is not used).
 
 What this backend leaves to DeepSpeed: the ZeRO partitioning of optimizer state and gradients (stage 2)
 and of the parameters (stage 3, where the model is built inside ``deepspeed.zero.Init`` through
@@ -111,6 +112,12 @@ class DeepSpeedBackend:
         """
         if device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            import deepspeed.ops
+
+            # DeepSpeed would JIT-compile its shared-memory allreduce (a C++ build of ~50 s into a cache shared
+            # by every venv, behind a lock file that a killed build leaves behind, hanging the next start);
+            # marked incompatible (DeepSpeed keeps edits to this dict), collectives go through gloo.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         from trainer.model import load_causal_lm
 
         ds = deepspeed_config(config, config.zero_stage, config.deepspeed, cuda=device.type == "cuda")

@@ -120,14 +120,17 @@ class Trainer:
         self.version = ckpt.version
 
     def publish_state(self) -> dict[str, torch.Tensor]:
-        """The weights as published, name -> CPU tensor in ``param_dtype``: the dtype engines run, so that a
+        """The weights as published, name -> tensor in ``param_dtype``: the dtype engines run, so that a
         float32 trainer feeds float32 engines the very policy it trains (with ``master_fp32`` the fp32
         master weights are rounded to ``param_dtype``, the dtype the forward pass computes in).
+
+        The tensors stay where the backend holds them (the model's own parameters when the dtype matches):
+        the publisher makes the one copy to host memory per version (pinned and non-blocking from CUDA).
 
         On several ranks a collective (the shards are gathered): every rank must call it; rank 0 gets the
         full dict, the others an empty one."""
         dtype = DTYPES[self.config.param_dtype]
-        return {k: v.detach().to("cpu", dtype) for k, v in self.backend.full_state_dict().items()}
+        return {k: v.detach().to(dtype) for k, v in self.backend.full_state_dict().items()}
 
     # -- one step ----------------------------------------------------------
     def _autocast(self):
@@ -167,7 +170,8 @@ class Trainer:
             groups, is_ratio_mean/max/min (π_θ/π_behaviour on generated tokens before the
             update), behaviour_kl (KL(π_behaviour || π_θ) per generated token before the update, Schulman's
             k3 estimator r - 1 - log r with r = π_θ/π_behaviour: http://joschu.net/blog/kl-approx.html), tokens (generated, count), tokens_per_s, step_s, wait_s, wait_frac,
-            groups, samples, version.
+            publish_wait_s (seconds the step waited for the publisher: its one copy of the weights to host
+            memory; encoding and upload run in its background thread), groups, samples, version.
 
         Raises:
             ValueError: ``groups`` is empty or malformed (see :func:`trainer.batch.pack_groups`).
@@ -241,10 +245,13 @@ class Trainer:
         self.version += 1
         if self.world > 1:
             is_min, is_max = self._reduce_metrics(sums, is_min, is_max)
+        publish_wait = 0.0
         if self.publisher is not None if self.world == 1 else self._gather:
             state = self.publish_state()
             if self.publisher is not None:
+                t0 = time.perf_counter()
                 self.publisher.publish(state, self.version, samples_consumed)
+                publish_wait = time.perf_counter() - t0
 
         step_s = time.perf_counter() - start
         epochs = cfg.ppo_epochs
@@ -262,7 +269,7 @@ class Trainer:
             "behaviour_kl": sums["behaviour_kl_sum"] / max(sums["valid"], 1),
             "is_ratio_max": is_max if sums["valid"] else 1.0, "is_ratio_min": is_min if sums["valid"] else 1.0,
             "tokens": gen_tokens, "tokens_per_s": gen_tokens * epochs / step_s, "step_s": step_s,
-            "wait_s": wait_s, "wait_frac": wait_s / (wait_s + step_s),
+            "wait_s": wait_s, "wait_frac": wait_s / (wait_s + step_s), "publish_wait_s": publish_wait,
             "groups": float(len(groups)), "samples": float(n), "version": float(self.version),
         }
         for k, count in Counter(staleness).items():

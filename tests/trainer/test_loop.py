@@ -159,3 +159,27 @@ def test_bf16_params_are_updated_and_published_as_bf16(tiny_model_dir, make_grou
 def test_bad_config_is_named():
     with pytest.raises(ValueError, match="norm_len"):
         TrainerConfig(loss_agg="seq-sum-norm")
+
+
+def test_a_version_is_copied_to_host_once_and_the_step_waits_only_for_that_copy(tiny_model_dir, make_group, tmp_path):
+    """publish_state hands the publisher the model's own tensors (no copy when param_dtype is the model's);
+    the publisher's host copy is the only one, and it is all the step waits for: encoding and the upload to
+    the store run after train_step has returned."""
+    from topics.bus import connect
+    from topics.names import TopicNames
+    from weights.publisher import Publisher
+    from weights.store import WeightStore
+
+    names = TopicNames("onecopy")
+    bus = connect(f"local://{tmp_path / 'bus'}")
+    store = WeightStore(f"file://{tmp_path / 'store'}", names.run)
+    publisher = Publisher(store, bus, names, "p")
+    trainer = Trainer(TrainerConfig(param_dtype="float32", lr=1e-3, device="cpu"), tiny_model_dir, publisher=publisher)
+    params = trainer.model.state_dict()
+    state = trainer.publish_state()
+    assert all(state[k].data_ptr() == params[k].data_ptr() for k in state)
+    m = trainer.train_step([make_group([1.0, 0.0], seed=0, gen_len=2), make_group([0.0, 1.0], seed=1, gen_len=2)])
+    assert 0 < m["publish_wait_s"] < m["step_s"]
+    assert publisher.wait(30) and not publisher.errors
+    assert 1 in store.versions("p")
+    publisher.close()
