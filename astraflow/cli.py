@@ -109,11 +109,18 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
 
 @app.command()
 def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
-         worker_id: int = typer.Option(0, "--worker-id", help="unique number of this worker within the run")) -> None:
+         worker_id: str = typer.Option("0", "--worker-id",
+                                       help="unique id of this worker within the run (letters, digits, . _ -), "
+                                            "e.g. a number or the container's hostname")) -> None:
     """Run one rollout worker: join the `raas.<workflow>` consumer group on `prompts`, roll out,
     write groups to `trajectories.<policy>`. Start more to scale out; SIGTERM stops it cleanly."""
+    import re
+
     from producers.raas import RaasWorker
 
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", worker_id):
+        typer.echo(f"--worker-id {worker_id!r}: use 1-64 letters, digits, '.', '_' or '-'", err=True)
+        raise typer.Exit(2)
     cfg = _load(config, overrides)
     stop = _component_setup(f"raas-{worker_id}", cfg)
     RaasWorker(cfg, worker_id).run(stop)
@@ -206,6 +213,34 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         publisher.close()
         service.close()
     print(json.dumps(summary), flush=True)
+
+
+@app.command()
+def exporter(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
+    """Serve the run's metrics to Prometheus at http://<exporter.host>:<exporter.port>/metrics (port default
+    9400): every figure on the `metrics` topic (its own consumer group `<run>.exporter`), the consumer
+    groups' lag and the components' restarts. Runs until SIGTERM; `astraflow run` starts it when
+    `exporter.port` is set."""
+    from astraflow.exporter import MetricsExporter
+    from topics.bus import connect
+    from topics.names import TopicNames
+
+    cfg = _load(config, overrides)
+    stop = _component_setup("exporter", cfg)
+    exp = MetricsExporter(connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), list(cfg.policies), cfg.workflow.name,
+                          run_dir=cfg.run_dir, lag_every_s=cfg.exporter.lag_every_s)
+    port = cfg.exporter.port if cfg.exporter.port is not None else 9400
+    try:
+        port = exp.serve(port, cfg.exporter.host)
+    except OSError as e:
+        typer.echo(f"exporter.port={port} on {cfg.exporter.host}: cannot serve: {e}", err=True)
+        raise typer.Exit(2)
+    logging.getLogger("astraflow").info("exporter: serving http://%s:%d/metrics", cfg.exporter.host, port)
+    try:
+        while not stop.is_set():
+            exp.poll(0.5)
+    finally:
+        exp.close()
 
 
 @app.command()

@@ -197,6 +197,15 @@ class EvalConfig(_Strict):
     limit: int | None = Field(default=None, ge=1)
 
 
+class ExporterConfig(_Strict):
+    """The Prometheus exporter (``astraflow exporter``, :mod:`astraflow.exporter`). With ``port`` set,
+    ``astraflow run`` starts it as a component; ``astraflow exporter`` serves on ``port`` (default 9400)."""
+
+    port: int | None = Field(default=None, ge=0, le=65535, description="serve /metrics here; 0: any free port")
+    host: str = Field(default="127.0.0.1", description="the address to bind (0.0.0.0 for every interface)")
+    lag_every_s: float = Field(default=5.0, gt=0, description="the least seconds between two consumer-lag reads")
+
+
 class RunConfig(_Strict):
     """A whole run. ``bus`` and ``store`` default to the embedded bus and a local store in ``run_dir``."""
 
@@ -215,6 +224,7 @@ class RunConfig(_Strict):
     curators: list[dict[str, Any]] = Field(default_factory=list)
     raas: RaasConfig = Field(default_factory=RaasConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    exporter: ExporterConfig = Field(default_factory=ExporterConfig)
     coupling: Literal["independent", "barrier"] = Field(
         default="independent", description="independent trainers, or lockstep versions across policies")
     max_wall_s: float | None = Field(default=None, gt=0, description="stop the run after this many seconds")

@@ -171,7 +171,8 @@ def vllm_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[s
 
 
 def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[Component]:
-    """The processes of a run, in start order: vLLM servers, trainers and filters, then RaaS, then acquisition."""
+    """The processes of a run, in start order: vLLM servers, trainers and filters, then RaaS, then acquisition, then
+    the Prometheus exporter when ``exporter.port`` is set."""
     logs = cfg.run_dir / "logs"
     comps, vllm_urls = vllm_components(cfg, logs)
     for p in cfg.policies:
@@ -185,6 +186,8 @@ def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> 
         comps.append(Component(f"raas-{i}", component_argv("raas", config_path, [*overrides, *vllm_urls],
                                                             "--worker-id", str(i)), logs / f"raas-{i}.log"))
     comps.append(Component("acquire", component_argv("acquire", config_path, overrides), logs / "acquire.log"))
+    if cfg.exporter.port is not None:
+        comps.append(Component("exporter", component_argv("exporter", config_path, overrides), logs / "exporter.log"))
     return comps
 
 

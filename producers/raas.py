@@ -94,14 +94,14 @@ class RaasWorker:
 
     Args:
         cfg: the run config.
-        worker_id: a number unique among this run's workers (names the producer).
+        worker_id: unique among this run's workers, a number or a name (names the producer and the static group member).
         bus: the bus (default: ``connect(cfg.bus, cfg.kafka)``).
 
     Raises:
         KeyError: the workflow or one of its policies is unknown.
     """
 
-    def __init__(self, cfg: RunConfig, worker_id: int = 0, bus: Bus | None = None):
+    def __init__(self, cfg: RunConfig, worker_id: int | str = 0, bus: Bus | None = None):
         self.cfg, self.id = cfg, f"raas-{worker_id}"
         self.bus = bus or connect(cfg.bus, cfg.kafka)
         self.names = TopicNames(cfg.run)

@@ -15,16 +15,10 @@ if [ ! -f "$lock" ]; then
 fi
 # The code sandbox (producers/sandbox.py) runs model-written code under bubblewrap; without it code
 # rewards refuse to run. Installed here when missing and apt-get can (as root, or by passwordless sudo).
+source scripts/apt_install.sh
 if ! command -v bwrap >/dev/null 2>&1; then
-  sudo=""
-  [ "$(id -u)" = 0 ] || { command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && sudo="sudo -n"; }
-  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ -n "$sudo" ]; }; then
-    echo "[install] bubblewrap (bwrap) for the code sandbox" >&2
-    export DEBIAN_FRONTEND=noninteractive
-    $sudo apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
-      || { $sudo apt-get update -qq >/dev/null 2>&1 && $sudo apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
-      || true
-  fi
+  echo "[install] bubblewrap (bwrap) for the code sandbox" >&2
+  apt_install bubblewrap
   if ! command -v bwrap >/dev/null 2>&1; then
     echo "[install] bubblewrap (bwrap) is missing and could not be installed here (needs apt-get as root):" \
          "install it (Debian/Ubuntu: apt-get install -y bubblewrap), or code rewards refuse to run;" \

@@ -8,6 +8,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/install.sh dev
 scripts/install_vllm.sh   # vLLM's CPU backend in .venv-vllm, for the vLLM engine's tests and example
+# Debian's docker-compose validates docker-compose.yml offline (tests/astraflow/test_deploy.py; no engine runs here)
+if ! command -v docker-compose >/dev/null 2>&1; then
+  source scripts/apt_install.sh
+  echo "[test] installing docker-compose (Debian package) to validate docker-compose.yml" >&2
+  apt_install docker-compose
+fi
 started=0
 if ! scripts/kafka-local.sh status >/dev/null 2>&1; then
   scripts/kafka-local.sh start

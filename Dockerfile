@@ -1,0 +1,26 @@
+# AstraFlow, CPU image: every component (`astraflow acquire|raas|policy|trainer|exporter ...`) runs from it;
+# docker-compose.yml starts the whole arith-tiny example with it. Built from the locked dependency set
+# (requirements/dev.lock, hash-checked) by the same scripts/install.sh the tests use.
+#   docker build -t astraflow:cpu .
+# GPU variant: start FROM an image with CUDA and a CUDA build of torch (e.g. pytorch/pytorch:*-cuda*-runtime),
+# install with `scripts/install.sh gpu` (the gpu lock: SGLang, DeepSpeed), and give the trainer and RaaS
+# services GPUs (compose: `deploy.resources.reservations.devices: [{capabilities: [gpu]}]`).
+FROM python:3.11-slim
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap curl ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+COPY setup.cfg pyproject.toml README.md ./
+COPY requirements/ requirements/
+COPY scripts/ scripts/
+COPY astraflow/ astraflow/
+COPY consumers/ consumers/
+COPY policies/ policies/
+COPY producers/ producers/
+COPY topics/ topics/
+COPY trainer/ trainer/
+COPY weights/ weights/
+COPY examples/ examples/
+RUN bash scripts/install.sh dev && rm -rf /root/.cache/uv
+ENV PATH=/app/.venv/bin:$PATH PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+ENTRYPOINT ["astraflow"]
+CMD ["--help"]
