@@ -216,6 +216,21 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 
 
 @app.command()
+def controller(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
+    """Scale the run's RaaS workers to its trainers: from the trainers' wait fraction and the workers'
+    backpressure pauses on `metrics` (its own consumer group `<run>.controller`), with hysteresis, a cooldown,
+    a one-worker rate limit and `controller.min_workers..max_workers` bounds, write each decision and its
+    reason to `control` (`target_replicas`, key `raas.<workflow>`). `astraflow run` starts it and carries the
+    decisions out when `controller.enabled` is set. Runs until SIGTERM."""
+    from astraflow.controller import run_controller
+    from topics.bus import connect
+
+    cfg = _load(config, overrides)
+    stop = _component_setup("controller", cfg)
+    run_controller(cfg, connect(cfg.bus, cfg.kafka), stop)
+
+
+@app.command()
 def exporter(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Serve the run's metrics to Prometheus at http://<exporter.host>:<exporter.port>/metrics (port default
     9400): every figure on the `metrics` topic (its own consumer group `<run>.exporter`), the consumer

@@ -206,6 +206,34 @@ class ExporterConfig(_Strict):
     lag_every_s: float = Field(default=5.0, gt=0, description="the least seconds between two consumer-lag reads")
 
 
+class ControllerConfig(_Strict):
+    """The rollout scaling controller (``astraflow controller``, :mod:`astraflow.controller`): with ``enabled``,
+    ``astraflow run`` starts it and carries its decisions out (``actuator: local``: RaaS worker processes are
+    added and stopped), starting from ``raas.workers``."""
+
+    enabled: bool = False
+    actuator: Literal["local"] = Field(default="local", description="who carries a decision out: the local launcher")
+    min_workers: int = Field(default=1, ge=1)
+    max_workers: int = Field(default=4, ge=1)
+    starved_above: float = Field(default=0.3, ge=0, le=1, description="trainer wait_frac above this: scale up")
+    busy_below: float = Field(default=0.05, ge=0, le=1, description="trainer wait_frac below this (and workers "
+                              "paused by backpressure): scale down")
+    paused_above: float = Field(default=0.5, ge=0, le=1, description="mean RaaS paused share that counts as held back")
+    window: int = Field(default=3, ge=1, description="consecutive observations that must agree")
+    interval_s: float = Field(default=5.0, gt=0, description="seconds between observations")
+    cooldown_s: float = Field(default=60.0, ge=0, description="seconds after a decision before the next")
+    grace_s: float = Field(default=60.0, gt=0, description="a worker that reported within this is alive, however slow")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ControllerConfig":
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"controller.min_workers ({self.min_workers}) > controller.max_workers ({self.max_workers})")
+        if self.busy_below >= self.starved_above:
+            raise ValueError(f"controller.busy_below ({self.busy_below}) must be below controller.starved_above "
+                             f"({self.starved_above}): the band between them is where nothing changes")
+        return self
+
+
 class RunConfig(_Strict):
     """A whole run. ``bus`` and ``store`` default to the embedded bus and a local store in ``run_dir``."""
 
@@ -225,6 +253,7 @@ class RunConfig(_Strict):
     raas: RaasConfig = Field(default_factory=RaasConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     exporter: ExporterConfig = Field(default_factory=ExporterConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
     coupling: Literal["independent", "barrier"] = Field(
         default="independent", description="independent trainers, or lockstep versions across policies")
     max_wall_s: float | None = Field(default=None, gt=0, description="stop the run after this many seconds")

@@ -46,7 +46,7 @@ from astraflow.monitor import RunMonitor
 from topics.bus import BusError, connect
 from topics.follow import LatestByKey
 from topics.names import TopicNames
-from topics.schemas import TrainerProgress
+from topics.schemas import Control, TrainerProgress
 
 console = Console(stderr=True)
 
@@ -69,6 +69,7 @@ class Component:
     in_a_row: int = 0        # since it last ran HEALTHY_S seconds
     started_at: float = 0.0  # monotonic
     restart_at: float | None = None  # monotonic time of a scheduled restart
+    retired: bool = False  # stopped on purpose (scaled down): not restarted, not a failure
     env: dict[str, str] | None = None  # its whole environment (None: the launcher's, see Launcher._start)
 
     @property
@@ -172,7 +173,8 @@ def vllm_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[s
 
 def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[Component]:
     """The processes of a run, in start order: vLLM servers, trainers and filters, then RaaS, then acquisition, then
-    the Prometheus exporter when ``exporter.port`` is set."""
+    the scaling controller when ``controller.enabled``, then the Prometheus exporter when ``exporter.port`` is
+    set."""
     logs = cfg.run_dir / "logs"
     comps, vllm_urls = vllm_components(cfg, logs)
     for p in cfg.policies:
@@ -186,6 +188,9 @@ def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> 
         comps.append(Component(f"raas-{i}", component_argv("raas", config_path, [*overrides, *vllm_urls],
                                                             "--worker-id", str(i)), logs / f"raas-{i}.log"))
     comps.append(Component("acquire", component_argv("acquire", config_path, overrides), logs / "acquire.log"))
+    if cfg.controller.enabled:
+        comps.append(Component("controller", component_argv("controller", config_path, overrides),
+                               logs / "controller.log"))
     if cfg.exporter.port is not None:
         comps.append(Component("exporter", component_argv("exporter", config_path, overrides), logs / "exporter.log"))
     return comps
@@ -274,6 +279,9 @@ class Launcher:
         self.components = plan_components(cfg, config_path, overrides)
         self.stopping = False
         self._stall: dict[str, tuple[int | None, float, float]] = {}  # policy -> (version, since, last told)
+        #: RaaS workers to run: raas.workers, then the controller's newest target_replicas (read by the view thread)
+        self.raas_target = cfg.raas.workers
+        self._control: LatestByKey | None = None
         self._publish_seen: dict[str, tuple[int, bool]] = {}  # policy -> (publish errors, failing) last told
 
     def _start(self, comp: Component) -> None:
@@ -327,7 +335,7 @@ class Launcher:
                 continue
             c.reported = True
             _kill_group(c.proc)  # what it left running: torchrun's ranks, a vLLM server's engine core
-            if code == 0 or self.stopping:
+            if code == 0 or self.stopping or c.retired:
                 continue
             console.print(f"[bold red]component {c.name} died with exit code {code}[/]; "
                           f"last lines of {c.log}:\n{_tail(c.log)}")
@@ -372,6 +380,7 @@ class Launcher:
                                         daemon=True)
                 view.start()
                 while True:
+                    self._scale_raas()
                     failed = self._supervise()
                     if failed:
                         break
@@ -402,6 +411,8 @@ class Launcher:
                 try:
                     monitor.poll(1.0)
                     monitor.close()
+                    if self._control is not None:
+                        self._control.close()
                 except BusError as e:
                     console.print(f"[yellow]the last metrics could not be read: {e}[/]")
         wall = time.monotonic() - t0
@@ -425,6 +436,7 @@ class Launcher:
                     last = time.monotonic()
                 self._watchdog(monitor)
                 self._publish_alerts(monitor)
+                self._read_target(monitor.bus)
                 if trouble:
                     console.print("[green]the bus answers again[/]")
                     trouble = ""
@@ -433,6 +445,38 @@ class Launcher:
                     console.print(f"[bold yellow]bus trouble (components ride it out by restarts): {e}[/]")
                 trouble = str(e)
                 done.wait(0.5)
+
+    def _read_target(self, bus) -> None:
+        """With ``controller.enabled``: the controller's newest ``target_replicas`` for this run's RaaS workers
+        (from ``control``) becomes :attr:`raas_target` (the view thread: it may wait on the bus)."""
+        if not self.cfg.controller.enabled:
+            return
+        if self._control is None:
+            self._control = LatestByKey(bus, self.names.control, Control, client_id=f"{self.cfg.run}.launcher-control")
+        msg = self._control.poll(0.0).get(f"raas.{self.cfg.workflow.name}")
+        if msg is not None and msg.action == "target_replicas" and msg.value and msg.value != self.raas_target:
+            console.print(f"[cyan]controller: {msg.value} RaaS workers[/] ({msg.reason})")
+            self.raas_target = msg.value
+
+    def _scale_raas(self) -> None:
+        """The local actuator: start RaaS workers (``raas-N``, the next free N) or SIGTERM the newest ones until
+        :attr:`raas_target` run; a worker stopped so is retired (not restarted, not a failure)."""
+        active = [c for c in self.components if c.kind == "raas" and not c.retired]
+        if len(active) < self.raas_target:
+            template = next(c for c in self.components if c.kind == "raas")
+            n = max(int(c.name.split("-", 1)[1]) for c in self.components if c.kind == "raas") + 1
+            argv = list(template.argv)
+            argv[argv.index("--worker-id") + 1] = str(n)
+            comp = Component(f"raas-{n}", argv, template.log.with_name(f"raas-{n}.log"))
+            self.components.append(comp)
+            self._start(comp)
+            console.print(f"[cyan]started {comp.name}[/] ({len(active) + 1} RaaS workers)")
+        elif len(active) > self.raas_target:
+            newest = max(active, key=lambda c: int(c.name.split("-", 1)[1]))
+            newest.retired = True
+            if newest.proc is not None and newest.proc.poll() is None:
+                newest.proc.send_signal(signal.SIGTERM)
+            console.print(f"[cyan]stopping {newest.name}[/] ({len(active) - 1} RaaS workers)")
 
     def _watchdog(self, monitor: RunMonitor) -> None:
         """Print one line per ``watchdog_s`` for each unfinished trainer whose version has not moved,

@@ -239,6 +239,7 @@ class Control(Message):
     action: Literal["pause", "resume", "target_replicas", "barrier", "stop"]
     value: int | None = None
     policy: str | None = None
+    reason: str | None = Field(default=None, description="why (a controller's decision says what it saw)")
     ts: float = Field(default_factory=time.time)
 
 

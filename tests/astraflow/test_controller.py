@@ -1,0 +1,134 @@
+"""The rollout scaling controller: its rules on synthetic loads (hysteresis, cooldown, rate limit, bounds, no
+flapping on a steady load), and `astraflow controller` on a real bus writing its decision and reason to
+`control`, where a launched run's actuator reads it."""
+import itertools
+import threading
+import uuid
+
+import pytest
+
+from astraflow.config import load_config
+from astraflow.controller import Observation, ScalingController, run_controller
+from topics.bus import connect
+from topics.codec import encode, headers_for
+from topics.follow import LatestByKey
+from topics.names import TopicNames
+from topics.schemas import Control, Metric
+
+STARVED = {"actor": 0.8}
+BUSY = {"actor": 0.0}
+HELD = {"raas-0": 1.0, "raas-1": 1.0}
+
+
+def feed(ctl: ScalingController, loads, start: float = 0.0, every: float = 5.0):
+    """Observe ``loads`` ((wait_frac, paused) pairs) every ``every`` seconds; the decisions' workers in order."""
+    out = []
+    for i, (wait, paused) in enumerate(loads):
+        d = ctl.observe(Observation(start + i * every, wait, paused))
+        if d is not None:
+            out.append(d.workers)
+    return out
+
+
+def test_scales_up_after_a_window_of_starved_trainers_one_worker_at_a_time_within_bounds():
+    ctl = ScalingController(workers=1, max_workers=3, window=3, cooldown_s=20)
+    assert feed(ctl, [(STARVED, {})] * 2) == []  # two observations are not a window
+    assert feed(ctl, [(STARVED, {})], start=10) == [2]
+    assert "trainers starved" in ctl.decisions[-1][1].reason and "1 -> 2" in ctl.decisions[-1][1].reason
+    # cooldown and a fresh window: the next step up comes after both, and the bound stops it at 3
+    assert feed(ctl, [(STARVED, {})] * 20, start=15) == [3]
+    assert ctl.workers == 3
+
+
+def test_scales_down_only_when_trainers_are_busy_and_workers_held_back():
+    ctl = ScalingController(workers=2, window=2, cooldown_s=0)
+    assert feed(ctl, [(BUSY, {"raas-0": 0.0, "raas-1": 0.0})] * 5) == []  # busy trainers, but workers are not paused
+    assert feed(ctl, [(BUSY, HELD)] * 2, start=100) == [1]
+    assert feed(ctl, [(BUSY, HELD)] * 10, start=200) == []  # min_workers 1
+
+
+@pytest.mark.parametrize("wait", [0.0, 0.1, 0.2, 0.29, 0.31, 0.9])
+@pytest.mark.parametrize("paused", [0.0, 0.4, 1.0])
+def test_a_steady_load_never_flaps(wait, paused):
+    """Whatever the steady load, the target moves one way only (towards a bound) and never back."""
+    ctl = ScalingController(workers=2, min_workers=1, max_workers=4, window=3, cooldown_s=30)
+    workers = feed(ctl, [({"actor": wait}, {"raas-0": paused})] * 200)
+    steps = [b - a for a, b in itertools.pairwise([2, *workers])]
+    assert len(set(steps)) <= 1 and all(abs(s) == 1 for s in steps), workers
+
+
+def test_alternating_noise_inside_the_window_decides_nothing():
+    ctl = ScalingController(workers=2, window=3, cooldown_s=0)
+    assert feed(ctl, [(STARVED, {}), (BUSY, HELD)] * 50) == []
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ValueError, match="min_workers"):
+        ScalingController(workers=1, min_workers=3, max_workers=2)
+    with pytest.raises(ValueError, match="busy_below"):
+        ScalingController(workers=1, busy_below=0.5, starved_above=0.3)
+
+
+def test_the_controller_writes_its_decision_and_reason_to_control(bus_url, tmp_path):
+    run = f"ctl{uuid.uuid4().hex[:8]}"
+    path = tmp_path / "run.yaml"
+    path.write_text(f"run: {run}\nrun_dir: {tmp_path / 'run'}\nbus: {bus_url}\npolicies: {{actor: {{model: tiny}}}}\n"
+                    "controller: {enabled: true, interval_s: 0.2, window: 2, cooldown_s: 0, max_workers: 2}\n")
+    cfg = load_config(path)
+    names, bus = TopicNames(run), connect(cfg.bus, cfg.kafka)
+    bus.admin().ensure_run_topics(names, ["actor"])
+    producer = bus.producer()
+    stop = threading.Event()
+    thread = threading.Thread(target=run_controller, args=(cfg, bus, stop), daemon=True)
+    thread.start()
+    control = LatestByKey(bus, names.control, Control)
+    try:
+        decision = None
+        for _ in range(300):  # the trainer keeps reporting that it starves
+            m = Metric(component="trainer.actor", kind="trainer", policy="actor", step=1, values={"wait_frac": 0.9})
+            producer.send(names.metrics, encode(m), key=m.component, headers=headers_for(m))
+            producer.flush()
+            decision = control.poll(0.2).get("raas.single_turn")
+            if decision is not None:
+                break
+        assert decision is not None and decision.action == "target_replicas" and decision.value == 2
+        assert "trainers starved (wait_frac actor 0.90" in decision.reason
+    finally:
+        stop.set()
+        thread.join(30)
+        control.close()
+        producer.close()
+    assert not thread.is_alive()
+
+
+@pytest.mark.slow
+def test_a_run_whose_trainer_starves_gets_a_second_worker(tmp_path):
+    """A real run with one RaaS worker rolling out one prompt per call (slow rollout: the trainer starves):
+    the controller decides 2 workers with its reason on `control`, the launcher starts raas-1, and raas-1
+    rolls out; decisions are at least a cooldown apart."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = f"ctlrun{uuid.uuid4().hex[:8]}"
+    done = subprocess.run([sys.executable, "-m", "astraflow", "run", "examples/arith-tiny.yaml", f"run={run}",
+                           f"run_dir={tmp_path}", "policies.actor.steps=100", "raas.batch_prompts=1",
+                           "controller.enabled=true", "controller.interval_s=2", "controller.window=3",
+                           "controller.cooldown_s=15", "controller.max_workers=2"],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "started raas-1 (2 RaaS workers)" in done.stderr
+    control = LatestByKey(connect(f"local://{tmp_path / 'bus'}"), TopicNames(run).control, Control)
+    try:
+        decision = control.read_to_end().get("raas.single_turn")
+    finally:
+        control.close()
+    assert decision is not None and decision.action == "target_replicas" and decision.reason
+    assert "-> 2 workers: trainers starved" in (tmp_path / "logs" / "controller.log").read_text()
+    components = json.loads((tmp_path / "components.json").read_text())
+    assert components["raas-1"]["exit_code"] == 0 and components["controller"]["exit_code"] == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["values"].get("groups_total", 0) for r in rows if r["component"] == "raas-1") > 0
