@@ -43,6 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.bench_staleness import moving_average  # noqa: E402
+
 EXAMPLE = ROOT / "examples" / "arith-tiny.yaml"
 WINDOW = 20  # steps in the moving average
 PROMPTS_PER_STEP, GROUP = 16, 16
@@ -128,11 +130,7 @@ def run_ours(steps: int, seed: int, cpus: list[int], extra: list[str], work: Pat
 
 def moving(rows: list[dict]) -> list[tuple[float, float]]:
     """(wall time, mean reward of the last :data:`WINDOW` steps) at each step."""
-    out, acc = [], 0.0
-    for i, r in enumerate(rows):
-        acc += r["reward"] - (rows[i - WINDOW]["reward"] if i >= WINDOW else 0.0)
-        out.append((r["t"], acc / min(i + 1, WINDOW)))
-    return out
+    return list(zip((r["t"] for r in rows), moving_average([r["reward"] for r in rows], WINDOW)))
 
 
 def fifth_means(rows: list[dict]) -> tuple[float, float]:
