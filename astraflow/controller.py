@@ -5,7 +5,8 @@ waiting for data; each RaaS worker's ``paused``: 1 while backpressure holds it b
 workers, as a controller with
 
 * **hysteresis**: it scales up only when every trainer of the workflow starved (``wait_frac`` above
-  ``starved_above``) in each of the last ``window`` observations, and down only when the trainers were busy
+  ``starved_above``) while the workers were not held back by backpressure (then another worker could not
+  help) in each of the last ``window`` observations, and down only when the trainers were busy
   (``wait_frac`` below ``busy_below``) and the workers paused by backpressure in each of them: the band
   between the thresholds is a dead zone where nothing changes;
 * a **cooldown**: no decision within ``cooldown_s`` of the last one, in either direction (so it never scales
@@ -94,9 +95,9 @@ class ScalingController:
         """'up', 'down' or '' for one observation."""
         if not obs.wait_frac:
             return ""  # no trainer has reported: nothing to judge
-        if min(obs.wait_frac.values()) > self.starved_above:
-            return "up"
         paused = sum(obs.paused.values()) / len(obs.paused) if obs.paused else 0.0
+        if min(obs.wait_frac.values()) > self.starved_above and paused <= self.paused_above:
+            return "up"  # starved, and not because backpressure holds the workers back (one more would not help)
         if max(obs.wait_frac.values()) < self.busy_below and paused > self.paused_above:
             return "down"
         return ""

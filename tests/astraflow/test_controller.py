@@ -57,6 +57,12 @@ def test_a_steady_load_never_flaps(wait, paused):
     assert len(set(steps)) <= 1 and all(abs(s) == 1 for s in steps), workers
 
 
+def test_no_worker_is_added_while_backpressure_holds_the_workers_back():
+    ctl = ScalingController(workers=1, window=2, cooldown_s=0)
+    assert feed(ctl, [(STARVED, {"raas-0": 1.0})] * 10) == []
+    assert feed(ctl, [(STARVED, {"raas-0": 0.0})] * 2, start=100) == [2]
+
+
 def test_alternating_noise_inside_the_window_decides_nothing():
     ctl = ScalingController(workers=2, window=3, cooldown_s=0)
     assert feed(ctl, [(STARVED, {}), (BUSY, HELD)] * 50) == []
