@@ -158,6 +158,7 @@ class Acquisition:
         self.metadata = dict(metadata or {})
         self.poll_s = poll_s
         self.gate = gate
+        self._topics_ready = False
         self.strict = strict
         self.state = (AcquisitionState.load(self.state_path, source.name, len(source), seed)
                       if self.state_path is not None
@@ -206,9 +207,12 @@ class Acquisition:
                 the state still points at the start of its batch.
         """
         stop = stop or threading.Event()
-        admin = self.bus.admin()
-        admin.create_topic(self.names.prompts, partitions=self.partitions)
-        admin.create_topic(self.names.deadletter, partitions=self.partitions)
+        if not self._topics_ready:  # once: acquire_run calls this for every batch, and the broker may be away
+            admin = self.bus.admin()
+            for topic in (self.names.prompts, self.names.deadletter):
+                patiently(f"acquire: topic {topic}", lambda t=topic: admin.create_topic(t, partitions=self.partitions),
+                          log=log)
+            self._topics_ready = True
         producer = self.bus.producer()
         total = self.epochs * len(self.source)
         sent_now = 0
