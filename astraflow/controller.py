@@ -159,7 +159,8 @@ def run_controller(cfg, bus, stop) -> None:
     ctl = ScalingController(workers=workers, min_workers=c.min_workers, max_workers=c.max_workers,
                             starved_above=c.starved_above, busy_below=c.busy_below, paused_above=c.paused_above,
                             window=c.window, cooldown_s=c.cooldown_s)
-    monitor = RunMonitor(bus, names, list(cfg.policies), cfg.workflow.name, group=f"{cfg.run}.controller")
+    monitor = RunMonitor(bus, names, list(cfg.policies), cfg.workflow.name, group=f"{cfg.run}.controller",
+                         keep=False)
     producer = bus.producer()
     wait: dict[str, float] = {}  # policy -> newest wait_frac
     paused: dict[str, tuple[float, float]] = {}  # worker -> (newest paused, its ts)

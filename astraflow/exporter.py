@@ -54,7 +54,7 @@ class MetricsExporter:
 
     def __init__(self, bus: Bus, names, policies: list[str], workflow: str, run_dir: Path | None = None,
                  group: str | None = None, lag_every_s: float = 5.0):
-        self.monitor = RunMonitor(bus, names, policies, workflow, group=group or f"{names.run}.exporter")
+        self.monitor = RunMonitor(bus, names, policies, workflow, group=group or f"{names.run}.exporter", keep=False)
         self.run_dir, self.lag_every_s = run_dir, lag_every_s
         self._lock = threading.Lock()
         self._latest: dict[tuple[str, str, str], dict[str, float]] = {}  # (component, kind, policy) -> values

@@ -47,9 +47,12 @@ class RunMonitor:
         workflow: the workflow name (its RaaS group is ``<run>.raas.<workflow>``).
         group: this monitor's own consumer group (default: a fresh unique one,
             reading the whole topic from the beginning).
+        keep: keep every record (:attr:`records`) and each policy's reward history, as a run's outputs need;
+            False for a long-running follower (the exporter, the controller) that needs only the newest figures.
     """
 
-    def __init__(self, bus: Bus, names: TopicNames, policies: list[str], workflow: str, group: str | None = None):
+    def __init__(self, bus: Bus, names: TopicNames, policies: list[str], workflow: str, group: str | None = None,
+                 keep: bool = True):
         self.bus, self.names, self.policies, self.workflow = bus, names, policies, workflow
         self.admin = bus.admin()
         self.consumer = bus.consumer(group or f"monitor.{uuid.uuid4().hex[:8]}")
@@ -58,6 +61,7 @@ class RunMonitor:
         self.views = {p: PolicyView() for p in policies}
         self.components: dict[str, Metric] = {}
         self.records: list[Metric] = []
+        self.keep = keep
         self.rejected = 0
         self.dead_letters = 0
         self.last_dead_letter: str | None = None
@@ -93,9 +97,10 @@ class RunMonitor:
                 v.kl = m.values.get("kl", v.kl)
                 v.tokens_per_s = m.values.get("tokens_per_s", v.tokens_per_s)
                 v.staleness = m.values.get("staleness_mean", v.staleness)
-                if "reward_mean" in m.values:
+                if "reward_mean" in m.values and self.keep:
                     v.history.append((v.step, m.values["reward_mean"]))
-        self.records += out
+        if self.keep:
+            self.records += out
         return out
 
     def _count_dead_letter(self, r) -> None:

@@ -200,11 +200,11 @@ class RaasWorker:
 
         Per policy: its engine is more than ``max_staleness`` versions behind the newest durable
         version or its trainer's reported version (what is rolled out now would be dropped as stale);
-        a batch (``raas.batch_prompts`` groups) on top of the groups in flight would pass
-        :meth:`inflight_limit` (a worker with nothing in flight always rolls out); or, at the trainer's
-        pace of ``batch_groups`` groups per version, a batch rolled out now would be trained more than
-        ``max_staleness`` versions after its engine's version (the groups in flight are trained first). A policy whose trainer
-        has finished, or waits at a barrier for its peers, holds nothing back.
+        at the trainer's pace of ``batch_groups`` groups per version, a batch rolled out now would be
+        trained more than ``max_staleness`` versions after its engine's version (the groups in flight
+        are trained first); or a batch (``raas.batch_prompts`` groups) on top of the groups in flight
+        would pass :meth:`inflight_limit` (a worker with nothing in flight always rolls out). A policy
+        whose trainer has finished, or waits at a barrier for its peers, holds nothing back.
         """
         self.progress.poll()
         for p, puller in self.pullers.items():
@@ -212,29 +212,29 @@ class RaasWorker:
             max_staleness = self.cfg.policies[p].max_staleness
             if newest is not None and newest - self.engines[p].version > max_staleness:
                 return f"{p} weights {newest - self.engines[p].version} versions behind"
-            progress = self.progress.latest.get(f"trainer.{p}")
-            if (progress is not None and not (progress.finished or progress.at_barrier)
-                    and progress.version - self.engines[p].version > max_staleness):
-                # the trainer is past the newest durable version: what this engine rolls out now would be
-                # trained at its version or later, too stale (at max_staleness 0: wait for each new version)
-                return f"{p} weights {progress.version - self.engines[p].version} versions behind its trainer"
         batch = self.cfg.raas.batch_prompts
         for p in self.policies:
             try:
                 inflight = self.inflight_groups(p)
             except BusError:
                 continue  # topics not created yet: nothing in flight
-            if inflight and inflight + batch > self.inflight_limit(p):
-                return (f"{inflight} groups of {p} in flight, and a batch of {batch} more would pass its limit "
-                        f"{self.inflight_limit(p)}")
+            if inflight is None:
+                continue  # its trainer finished or waits at a barrier: it holds nothing back
             progress, pc = self.progress.latest.get(f"trainer.{p}"), self.cfg.policies[p]
-            if inflight and progress is not None:
-                # the trainer takes the groups in flight first, batch_groups per version: a batch rolled out
-                # now is trained at about version + inflight // batch_groups
-                stale = progress.version + inflight // pc.batch_groups - self.engines[p].version
+            if progress is not None:
+                # the trainer takes the groups in flight first, batch_groups per version: a batch rolled out now
+                # is trained at about its version + inflight // batch_groups (at max_staleness 0: wait for each
+                # new version)
+                behind = progress.version - self.engines[p].version
+                if behind > pc.max_staleness:
+                    return f"{p} weights {behind} versions behind its trainer"
+                stale = behind + inflight // pc.batch_groups
                 if stale > pc.max_staleness:
                     return (f"a batch of {p} rolled out now would be trained about {stale} versions stale "
                             f"({inflight} groups in flight ahead of it; max_staleness {pc.max_staleness})")
+            if inflight and inflight + batch > self.inflight_limit(p):
+                return (f"{inflight} groups of {p} in flight, and a batch of {batch} more would pass its limit "
+                        f"{self.inflight_limit(p)}")
         return ""
 
     # -- rollout ---------------------------------------------------------------------------

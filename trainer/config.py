@@ -60,4 +60,9 @@ class TrainerConfig(BaseModel):
     def _check(self) -> "TrainerConfig":
         if self.loss_agg == "seq-sum-norm" and not self.norm_len:
             raise ValueError("loss_agg 'seq-sum-norm' (Dr. GRPO) needs norm_len, e.g. the max generation length")
+        if self.backend != "deepspeed":
+            unused = sorted(f for f in ("zero_stage", "deepspeed") if f in self.model_fields_set)
+            if unused:
+                raise ValueError(f"{', '.join(unused)} configure the deepspeed backend, but backend is "
+                                 f"{self.backend!r}: set backend: deepspeed, or remove them")
         return self

@@ -38,6 +38,12 @@ def test_overrides_are_deep_merged_and_cannot_change_the_stage_behind_zero_stage
     assert base == {"a": {"b": 1, "c": [1]}}  # not changed
 
 
+def test_deepspeed_settings_without_the_deepspeed_backend_are_refused():
+    with pytest.raises(ValueError, match="deepspeed, zero_stage configure the deepspeed backend, but backend is 'torch'"):
+        TrainerConfig(zero_stage=3, deepspeed={"zero_optimization": {"overlap_comm": False}})
+    assert TrainerConfig(backend="deepspeed", zero_stage=3).zero_stage == 3
+
+
 def test_the_trainer_command_accepts_the_deepspeed_launchers_local_rank(tmp_path):
     """``deepspeed --num_gpus N -m astraflow trainer ...`` appends ``--local_rank=N``: it is accepted (here the
     command then stops at the unknown policy, exit 2, not at the argument)."""

@@ -171,14 +171,16 @@ def _child_with_rank(parent: int, rank: int) -> int | None:
 
 
 @pytest.mark.slow
-@BACKENDS
 @pytest.mark.parametrize("bus_url", ["local"], indirect=True)
-@pytest.mark.parametrize("victim_rank", [1, 0])
+@pytest.mark.parametrize("backend, victim_rank", [("torch", 1), ("torch", 0), ("deepspeed", 1)],
+                         ids=["fsdp2-rank1", "fsdp2-rank0", "deepspeed-rank1"])
 def test_sigkill_of_a_rank_then_resume_trains_nothing_twice(bus_url, tiny_model_dir, tmp_path, backend, victim_rank):
     """A rank (1: a follower; 0: the one on the bus) is SIGKILLed after the checkpoint at version 3; torchrun
     tears the group down. The restarted 2-rank trainer resumes from its backend's checkpoint (model and
     optimizer shards), redoes steps 4.., and ends with every group trained once and the weights of one plain
-    process trained on the same batches."""
+    process trained on the same batches. Which rank dies matters to the service (rank 0 or a follower), the
+    same code for both backends; what the backend changes is the checkpoint resumed, so DeepSpeed runs once
+    (both DeepSpeed variants passed 2026-12-02; the fourth cost CI a minute)."""
     run = f"dkill{uuid.uuid4().hex[:8]}"
     names = TopicNames(run)
     bus = connect(bus_url)
