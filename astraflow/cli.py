@@ -231,6 +231,52 @@ def controller(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES
 
 
 @app.command()
+def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
+            config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
+            worker: Optional[str] = typer.Option(None, "--worker", help="one RaaS worker (its --worker-id); "
+                                                 "default: every worker of the run's workflow"),
+            per_minute: Optional[int] = typer.Option(None, "--per-minute", min=1,
+                                                     help="throttle: the most prompts a worker rolls out in any "
+                                                          "60 s (omitted: lift the throttle)"),
+            reason: Optional[str] = typer.Option(None, "--reason", help="why, kept with the command")) -> None:
+    """Command the run's RaaS workers through `control`: `pause` (they stop taking prompts after the batch in
+    hand), `resume`, or `throttle --per-minute N`. The command is kept (compacted topic): a worker started or
+    restarted later obeys it too. A pause for the workflow holds every worker whatever their own commands say."""
+    from pydantic import ValidationError
+
+    from topics.bus import BusError, connect
+    from topics.codec import encode, headers_for
+    from topics.names import TopicNames
+    from topics.schemas import Control
+
+    if action not in ("pause", "resume", "throttle"):
+        typer.echo(f"action {action!r}: one of pause, resume, throttle", err=True)
+        raise typer.Exit(2)
+    if per_minute is not None and action != "throttle":
+        typer.echo(f"--per-minute is for throttle, not {action}", err=True)
+        raise typer.Exit(2)
+    cfg = _load(config, overrides)
+    component = f"raas.{cfg.workflow.name}" + (f"/raas-{worker}" if worker is not None else "")
+    try:
+        msg = Control(component=component, action=action, value=per_minute, reason=reason or "astraflow control")
+    except ValidationError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2)
+    names = TopicNames(cfg.run)
+    try:
+        bus = connect(cfg.bus, cfg.kafka)
+        bus.admin().ensure_run_topics(names, list(cfg.policies))
+        producer = bus.producer()
+        producer.send(names.control, encode(msg), key=msg.key(), headers=headers_for(msg))
+        producer.flush()
+        producer.close()
+    except BusError as e:
+        typer.echo(f"cannot send the command on bus {cfg.bus}: {e}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{component}: {action}" + (f" {per_minute} prompts/min" if per_minute else ""))
+
+
+@app.command()
 def exporter(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Serve the run's metrics to Prometheus at http://<exporter.host>:<exporter.port>/metrics (port default
     9400): every figure on the `metrics` topic (its own consumer group `<run>.exporter`), the consumer

@@ -15,7 +15,9 @@ Between batches it pulls new weights through the Weight Manager's puller.
 Backpressure: it pauses its ``prompts`` partitions while the in-flight groups
 (filter and trainer lag on ``trajectories.<policy>`` and ``samples.<policy>``)
 exceed ``raas.max_inflight_groups`` (see :meth:`RaasWorker.inflight_groups`), or while its weights are more than
-``max_staleness`` versions behind the newest announcement.
+``max_staleness`` versions behind the newest announcement. Commands on ``control`` hold it too: ``pause`` /
+``resume`` and ``throttle`` (prompts per minute), for every worker of the workflow or for one
+(:meth:`RaasWorker.commanded`; ``astraflow control``).
 
 A prompt that does not fit a policy's model (its tokens plus ``sampling.max_new_tokens`` over the model's
 ``max_position_embeddings``, see :meth:`RaasWorker.oversize`) is not rolled out: it goes to ``deadletter``
@@ -37,6 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 from astraflow.config import RunConfig
@@ -49,7 +52,7 @@ from topics.codec import encode, headers_for
 from topics.deadletter import ValidatingConsumer, send_to_deadletter
 from topics.follow import LatestByKey
 from topics.names import TopicNames
-from topics.schemas import Metric, Prompt, RolloutOutcome, TrainerProgress, TrajectoryGroup
+from topics.schemas import Control, Metric, Prompt, RolloutOutcome, TrainerProgress, TrajectoryGroup
 from weights.puller import Puller, WeightsUnavailable
 from weights.store import WeightStore
 
@@ -122,6 +125,9 @@ class RaasWorker:
                                        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
         self.admin = self.bus.admin()
         self.progress = LatestByKey(self.bus, self.names.control, TrainerProgress, client_id=f"{self.id}-progress")
+        self.commands = LatestByKey(self.bus, self.names.control, Control, client_id=f"{self.id}-commands")
+        self._commands_read = False
+        self._rolled_at: deque[float] = deque()  # monotonic times of the prompts rolled out in the last 60 s
         self.producer = self.bus.producer()
         self.consumer = self.bus.consumer(self.names.raas_group(cfg.workflow.name),
                                           session_timeout_s=cfg.raas.session_timeout_s, client_id=self.id,
@@ -129,6 +135,7 @@ class RaasWorker:
         self.consumer.subscribe([self.names.prompts])
         self.prompts = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, Prompt)
         self.paused_reason = ""
+        self.held_by_control = False
         self.totals = {"prompts": 0, "groups": 0, "tokens": 0, "too_long": 0}
         self._last_metric = 0.0
 
@@ -194,6 +201,38 @@ class RaasWorker:
             lag = sum(self.admin.group_lag(self.names.trainer_group(policy), self.names.samples(policy)).values())
             total += max(0, lag - pc.checkpoint_every * pc.batch_groups)
         return total
+
+    def commanded(self) -> tuple[str, int | None]:
+        """What the operators' and controllers' commands on ``control`` (:class:`~topics.schemas.Control`)
+        allow this worker now: ``(why it must hold, '' when it need not; how many prompts it may roll
+        out now, None when no throttle applies)``.
+
+        The commands for every worker of the workflow (component ``raas.<workflow>``) and for this one
+        (``raas.<workflow>/<id>``) both apply: a ``pause`` on either holds it; of two throttles the lower
+        rate holds. A throttle of N allows at most N prompts rolled out in any 60 s.
+
+        Raises:
+            topics.bus.BusError: the bus failed.
+        """
+        if not self._commands_read:  # a worker starting obeys the commands given before it started
+            patiently(f"{self.id}: read control", self.commands.read_to_end, log=log)
+            self._commands_read = True
+        latest = self.commands.poll(0.0)
+        scopes = (f"raas.{self.cfg.workflow.name}", f"raas.{self.cfg.workflow.name}/{self.id}")
+        for scope in scopes:
+            msg = latest.get(f"{scope}:pause")
+            if msg is not None and msg.action == "pause":
+                return f"paused by control ({scope}: {msg.reason or 'no reason given'})", 0
+        rates = [m.value for s in scopes if (m := latest.get(f"{s}:throttle")) is not None and m.value]
+        if not rates:
+            return "", None
+        now = time.monotonic()
+        while self._rolled_at and now - self._rolled_at[0] >= 60.0:
+            self._rolled_at.popleft()
+        room = min(rates) - len(self._rolled_at)
+        if room <= 0:
+            return f"throttled by control to {min(rates)} prompts a minute", 0
+        return "", room
 
     def pause_reason(self) -> str:
         """Why this worker should not roll out now ('' when it should).
@@ -309,7 +348,9 @@ class RaasWorker:
             Prompts rolled out (0 while paused or idle); dead-lettered ones are not counted.
         """
         self.sync_weights()
-        reason = self.pause_reason()
+        reason, room = self.commanded()
+        self.held_by_control = bool(reason)
+        reason = reason or self.pause_reason()
         assignment = self.consumer.assignment()
         if reason != self.paused_reason:
             log.info("%s: %s", self.id, f"pausing: {reason}" if reason else "resuming")
@@ -320,7 +361,8 @@ class RaasWorker:
         if reason:  # a pause usually ends with a new weight version: wait for one, briefly
             for puller in self.pullers.values():
                 puller.poll(timeout_s=0.1 / len(self.pullers))
-        batch = self.prompts.poll(self.cfg.raas.batch_prompts, 0.0 if reason else 0.5)
+        batch = self.prompts.poll(min(self.cfg.raas.batch_prompts, room or self.cfg.raas.batch_prompts),
+                                  0.0 if reason else 0.5)
         handled = [False] * len(batch)  # rolled out (written) or dead-lettered
         todo: list[int] = []  # the prompts to roll out, by index in the batch
         late: list[tuple[int, str]] = []  # too long, behind a prompt of ``todo`` in its partition
@@ -347,6 +389,7 @@ class RaasWorker:
             for i in call:
                 handled[i] = True
             rolled += len(call)
+            self._rolled_at.extend([time.monotonic()] * len(call))
         for i, too_long in late:
             record = batch[i][0]
             if all(handled[j] for j in todo if j < i and batch[j][0].tp == record.tp):
@@ -385,6 +428,7 @@ class RaasWorker:
         self._last_metric = time.monotonic()
         values = {f"{k}_total": float(v) for k, v in self.totals.items()}
         values["paused"] = 1.0 if self.paused_reason else 0.0
+        values["held_by_control"] = 1.0 if self.held_by_control else 0.0
         values.update({f"version.{p}": float(e.version) for p, e in self.engines.items()})
         metric = Metric(component=self.id, kind="raas", values=values)
         self.producer.send(self.names.metrics, encode(metric), key=self.id, headers=headers_for(metric))
@@ -412,6 +456,7 @@ class RaasWorker:
         finally:
             self.consumer.close()
             self.progress.close()
+            self.commands.close()
             for puller in self.pullers.values():
                 puller.close()
             for engine in self.engines.values():

@@ -232,15 +232,45 @@ class WeightAnnouncement(Message):
 
 
 class Control(Message):
-    """An operator or controller command for a component (compacted by component id)."""
+    """An operator or controller command for a component, on the compacted ``control`` topic under
+    :meth:`key` (the newest command of each kind per component is its state).
+
+    Commands RaaS workers obey (``component`` ``raas.<workflow>`` for every worker of a workflow, or
+    ``raas.<workflow>/raas-<id>`` for one): ``pause`` / ``resume``, and ``throttle`` with ``value`` the
+    most prompts a worker rolls out in any 60 s (``value`` None lifts it). ``target_replicas`` (``value``
+    workers, keyed ``raas.<workflow>``) is the scaling controller's decision, carried out by an actuator.
+
+    Raises:
+        pydantic.ValidationError: ``value`` missing or below 1 for ``target_replicas``, below 1 for
+            ``throttle``, or set for ``pause`` / ``resume``.
+    """
 
     SCHEMA: ClassVar[str] = "Control"
     component: str = Field(min_length=1)
-    action: Literal["pause", "resume", "target_replicas", "barrier", "stop"]
+    action: Literal["pause", "resume", "throttle", "target_replicas", "barrier", "stop"]
     value: int | None = None
     policy: str | None = None
     reason: str | None = Field(default=None, description="why (a controller's decision says what it saw)")
     ts: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _check_value(self) -> "Control":
+        if self.action == "target_replicas" and (self.value is None or self.value < 1):
+            raise ValueError(f"target_replicas needs a value of at least 1 worker, got {self.value}")
+        if self.action == "throttle" and self.value is not None and self.value < 1:
+            raise ValueError(f"throttle value is prompts per 60 s, at least 1 (None lifts it), got {self.value}")
+        if self.action in ("pause", "resume") and self.value is not None:
+            raise ValueError(f"{self.action} takes no value, got {self.value}")
+        return self
+
+    def key(self) -> str:
+        """The record key on ``control``: pause and resume share ``<component>:pause``, a throttle has
+        ``<component>:throttle`` (so compaction keeps one of each), every other action the component."""
+        if self.action in ("pause", "resume"):
+            return f"{self.component}:pause"
+        if self.action == "throttle":
+            return f"{self.component}:throttle"
+        return self.component
 
 
 class TrainerProgress(Message):

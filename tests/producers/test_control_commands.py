@@ -1,0 +1,116 @@
+"""RaaS workers obey the commands on ``control`` that ``astraflow control`` writes: a pause (for the workflow or
+one worker) holds them, a resume lets them go on, a throttle caps the prompts they roll out per minute; a
+worker started after a command obeys it (the topic is compacted, the command is its state)."""
+import uuid
+
+import pytest
+from typer.testing import CliRunner
+
+from astraflow.cli import app
+from astraflow.config import load_config
+from producers.acquisition import acquire_run
+from producers.raas import RaasWorker
+from topics.bus import connect
+from topics.names import TopicNames
+from topics.schemas import Control
+
+
+def _config(tmp_path, bus_url, tiny_model_dir):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"""
+run: cc{uuid.uuid4().hex[:8]}
+run_dir: {tmp_path / 'run'}
+bus: {bus_url}
+policies:
+  actor: {{model: {tiny_model_dir}, batch_groups: 4, checkpoint_every: 1000, max_staleness: 100}}
+workflow: {{name: single_turn}}
+data: {{sources: [{{name: arith, limit: 100}}], n_samples: 2}}
+sampling: {{max_new_tokens: 2}}
+raas: {{batch_prompts: 2, max_inflight_groups: 1000}}
+""")
+    return path
+
+
+def _control(path, *args, seen_by=()):
+    """``astraflow control ACTION CONFIG ARGS...``; then waits until ``seen_by`` workers have read it."""
+    result = CliRunner().invoke(app, ["control", *args[:1], str(path), *args[1:]])
+    assert result.exit_code == 0, result.output
+    for worker in seen_by:
+        worker.commands.read_to_end()
+    return result.output
+
+
+def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path, bus_url, tiny_model_dir):
+    path = _config(tmp_path, bus_url, tiny_model_dir)
+    cfg = load_config(path)
+    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
+    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
+    assert acquire_run(cfg) == 100
+    produced = lambda: sum(bus.admin().end_offsets(names.trajectories("actor")).values())  # noqa: E731
+
+    def steps(worker, n=6, until=None):
+        """``n`` steps (or fewer, once ``until`` groups were produced); the groups produced then."""
+        for _ in range(n):
+            worker.step()
+            if until is not None and produced() >= until:
+                break
+        return produced()
+
+    assert "raas.single_turn: pause" in _control(path, "pause", "--reason", "maintenance")
+    worker = RaasWorker(cfg, 0, bus)  # started after the pause: obeys it
+    try:
+        assert steps(worker) == 0
+        assert worker.paused_reason == "paused by control (raas.single_turn: maintenance)"
+        # a worker's resume does not lift the workflow's pause
+        _control(path, "resume", "--worker", "0", seen_by=(worker,))
+        assert steps(worker) == 0
+        _control(path, "resume", seen_by=(worker,))
+        assert steps(worker, 20, until=4) == 4 and worker.paused_reason == ""  # one group per prompt
+
+        _control(path, "pause", "--worker", "0", seen_by=(worker,))  # one worker: this one
+        before = produced()
+        assert steps(worker) == before
+        assert worker.paused_reason.startswith("paused by control (raas.single_turn/raas-0")
+        other = RaasWorker(cfg, 1, bus)  # another worker is not held
+        try:
+            for _ in range(30):  # both step: the group rebalances, and the other worker gets a partition
+                worker.step()
+                if other.step():
+                    break
+            assert produced() > before and other.paused_reason == ""
+        finally:
+            other.close()
+        _control(path, "resume", "--worker", "0", seen_by=(worker,))
+
+        # Throttles: the lower rate holds; 3 prompts in 60 s, then held (one batch of 2, then one of 1).
+        _control(path, "throttle", "--per-minute", "10", seen_by=(worker,))
+        _control(path, "throttle", "--worker", "0", "--per-minute", "3", seen_by=(worker,))
+        worker._rolled_at.clear()  # count from now
+        before = produced()
+        assert steps(worker, 20) == before + 3
+        assert worker.paused_reason == "throttled by control to 3 prompts a minute"
+        worker._maybe_metrics(every_s=0.0)
+        _control(path, "throttle", "--worker", "0", seen_by=(worker,))  # lifted: the workflow's 10 a minute holds now
+        assert steps(worker, 20) == before + 10, worker.paused_reason
+        assert worker.paused_reason == "throttled by control to 10 prompts a minute"
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("bus_url", ["local"], indirect=True)
+def test_bad_commands_are_refused_naming_the_field(tmp_path, bus_url, tiny_model_dir):
+    path = _config(tmp_path, bus_url, tiny_model_dir)
+    runner = CliRunner()
+    bad = runner.invoke(app, ["control", "stop", str(path)])
+    assert bad.exit_code == 2 and "action 'stop': one of pause, resume, throttle" in bad.output
+    bad = runner.invoke(app, ["control", "pause", str(path), "--per-minute", "3"])
+    assert bad.exit_code == 2 and "--per-minute is for throttle, not pause" in bad.output
+    bad = runner.invoke(app, ["control", "throttle", str(path), "--per-minute", "0"])
+    assert bad.exit_code == 2 and "--per-minute" in bad.output
+    with pytest.raises(ValueError, match="pause takes no value"):
+        Control(component="raas.x", action="pause", value=3)
+    with pytest.raises(ValueError, match="target_replicas needs a value of at least 1"):
+        Control(component="raas.x", action="target_replicas")
+    assert Control(component="raas.x/raas-0", action="resume").key() == "raas.x/raas-0:pause"
+    assert Control(component="raas.x", action="throttle", value=5).key() == "raas.x:throttle"
+    assert Control(component="raas.x", action="target_replicas", value=2).key() == "raas.x"
