@@ -221,7 +221,8 @@ def controller(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES
     backpressure pauses on `metrics` (its own consumer group `<run>.controller`), with hysteresis, a cooldown,
     a one-worker rate limit and `controller.min_workers..max_workers` bounds, write each decision and its
     reason to `control` (`target_replicas`, key `raas.<workflow>`). `astraflow run` starts it and carries the
-    decisions out when `controller.enabled` is set. Runs until SIGTERM."""
+    decisions out when `controller.enabled` is set; with `controller.actuator` compose or kubernetes this command
+    carries them out itself (docker compose --scale, the Deployment's scale). Runs until SIGTERM."""
     from astraflow.controller import run_controller
     from topics.bus import connect
 

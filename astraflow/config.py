@@ -206,13 +206,37 @@ class ExporterConfig(_Strict):
     lag_every_s: float = Field(default=5.0, gt=0, description="the least seconds between two consumer-lag reads")
 
 
+#: the fields of ``controller`` that only an actuator uses, by actuator
+ACTUATOR_FIELDS = {"compose": ("compose_file", "compose_project", "compose_service", "compose_command",
+                               "apply_timeout_s"),
+                   "kubernetes": ("k8s_deployment", "k8s_namespace", "k8s_kubeconfig", "apply_timeout_s")}
+
+
 class ControllerConfig(_Strict):
     """The rollout scaling controller (``astraflow controller``, :mod:`astraflow.controller`): with ``enabled``,
-    ``astraflow run`` starts it and carries its decisions out (``actuator: local``: RaaS worker processes are
-    added and stopped), starting from ``raas.workers``."""
+    ``astraflow run`` starts it, starting from ``raas.workers``. Its decisions are carried out by the
+    ``actuator`` (:mod:`astraflow.actuators`): ``local`` (the launcher of ``astraflow run`` adds and stops RaaS
+    worker processes), ``compose`` (``docker compose ... up --scale compose_service=N``, needs ``compose_file``)
+    or ``kubernetes`` (the scale of the Deployment ``k8s_deployment``). Each actuator's fields are refused with
+    another actuator."""
 
     enabled: bool = False
-    actuator: Literal["local"] = Field(default="local", description="who carries a decision out: the local launcher")
+    actuator: Literal["local", "compose", "kubernetes"] = Field(
+        default="local", description="who carries a decision out: local (the launcher of astraflow run), compose "
+                                     "or kubernetes (astraflow controller, after the decision is on control)")
+    compose_file: Path | None = Field(default=None, description="compose: the compose file (docker compose -f)")
+    compose_project: str | None = Field(default=None, min_length=1, description="compose: the project name (-p); "
+                                        "None: compose's default (the file's directory)")
+    compose_service: str = Field(default="raas", min_length=1, description="compose: the RaaS service to scale")
+    compose_command: list[str] = Field(default_factory=lambda: ["docker", "compose"], min_length=1,
+                                       description="compose: the compose command, e.g. [docker-compose]")
+    k8s_deployment: str | None = Field(default=None, min_length=1, description="kubernetes: the RaaS Deployment")
+    k8s_namespace: str | None = Field(default=None, min_length=1, description="kubernetes: its namespace; None: "
+                                      "the controller pod's own, else the kubeconfig context's, else default")
+    k8s_kubeconfig: Path | None = Field(default=None, description="kubernetes: a kubeconfig file; None: the pod's "
+                                        "service account in a cluster, else $KUBECONFIG or ~/.kube/config")
+    apply_timeout_s: float = Field(default=30.0, gt=0, description="compose, kubernetes: seconds one try to carry "
+                                   "a decision out may take; a failed try is retried every interval_s")
     min_workers: int = Field(default=1, ge=1)
     max_workers: int = Field(default=4, ge=1)
     starved_above: float = Field(default=0.3, ge=0, le=1, description="trainer wait_frac above this: scale up")
@@ -223,6 +247,18 @@ class ControllerConfig(_Strict):
     interval_s: float = Field(default=5.0, gt=0, description="seconds between observations")
     cooldown_s: float = Field(default=60.0, ge=0, description="seconds after a decision before the next")
     grace_s: float = Field(default=60.0, gt=0, description="a worker that reported within this is alive, however slow")
+
+    @model_validator(mode="after")
+    def _actuator_fields(self) -> "ControllerConfig":
+        for name in sorted(self.model_fields_set):
+            users = [a for a, fields in ACTUATOR_FIELDS.items() if name in fields]
+            if users and self.actuator not in users:
+                raise ValueError(f"controller.{name} applies to actuator: {' or '.join(users)}, and actuator is "
+                                 f"{self.actuator!r}")
+        need = {"compose": "compose_file", "kubernetes": "k8s_deployment"}.get(self.actuator)
+        if need and getattr(self, need) is None:
+            raise ValueError(f"controller.actuator: {self.actuator} needs controller.{need}")
+        return self
 
     @model_validator(mode="after")
     def _bounds(self) -> "ControllerConfig":

@@ -21,8 +21,9 @@ monotonically towards a bound and then stays: it cannot oscillate (tested on syn
 
 ``astraflow controller`` (:func:`run_controller`) feeds it from the ``metrics`` topic as its own consumer group
 and writes each decision, with its reason, to the compacted ``control`` topic as a
-:class:`~topics.schemas.Control` ``target_replicas`` record keyed ``raas.<workflow>``; an actuator (the local
-launcher) carries it out.
+:class:`~topics.schemas.Control` ``target_replicas`` record keyed ``raas.<workflow>``; an actuator carries it
+out (``controller.actuator``, :mod:`astraflow.actuators`): the local launcher, which reads ``control``, or docker
+compose or Kubernetes, called by the controller once the decision is on ``control``.
 """
 from __future__ import annotations
 
@@ -134,18 +135,27 @@ def run_controller(cfg, bus, stop) -> None:
     It starts from the newest decision already on ``control`` (a restarted controller resumes its target),
     else from ``raas.workers``.
 
+    With ``controller.actuator`` compose or kubernetes it carries each decision out itself once the decision is
+    on ``control``, and a restarted controller applies the newest target it finds there again (idempotent). A
+    failed try is logged and retried every ``interval_s`` (:class:`~astraflow.actuators.Actuation`); each try is
+    reported on ``metrics`` (component ``controller``: ``target_workers``, ``applied_workers``,
+    ``actuator_errors``, ``actuator_failing``).
+
     Raises:
         topics.bus.BusError: the bus failed for longer than the patience of a write.
+        ValueError: the compose file does not exist.
+        astraflow.actuators.ActuatorError: no Kubernetes credentials.
     """
     import logging
     import time
 
+    from astraflow.actuators import Actuation, build_actuator
     from astraflow.monitor import RunMonitor
     from topics.codec import encode, headers_for
     from topics.follow import LatestByKey
     from topics.names import TopicNames
     from topics.patience import patiently
-    from topics.schemas import Control
+    from topics.schemas import Control, Metric
 
     log = logging.getLogger("astraflow.controller")
     c, names = cfg.controller, TopicNames(cfg.run)
@@ -155,7 +165,12 @@ def run_controller(cfg, bus, stop) -> None:
         last = resume.read_to_end().get(key)
     finally:
         resume.close()
-    workers = last.value if last is not None and last.action == "target_replicas" and last.value else cfg.raas.workers
+    resumed = last is not None and last.action == "target_replicas" and last.value
+    workers = last.value if resumed else cfg.raas.workers
+    actuator = build_actuator(c)
+    actuation = Actuation(actuator, retry_s=c.interval_s) if actuator is not None else None
+    if actuation is not None and resumed:
+        actuation.want(last.value, f"resumed from control: {last.reason}")
     ctl = ScalingController(workers=workers, min_workers=c.min_workers, max_workers=c.max_workers,
                             starved_above=c.starved_above, busy_below=c.busy_below, paused_above=c.paused_above,
                             window=c.window, cooldown_s=c.cooldown_s)
@@ -169,6 +184,10 @@ def run_controller(cfg, bus, stop) -> None:
     next_at = time.monotonic() + c.interval_s
     try:
         while not stop.is_set():
+            if actuation is not None and actuation.step(time.monotonic()) is not None:
+                report = Metric(component="controller", kind="controller", values=actuation.values())
+                producer.send(names.metrics, encode(report), key=report.component, headers=headers_for(report))
+                patiently("controller: actuator metrics", producer.flush, log=log)
             for m in monitor.poll(0.5):
                 if m.kind == "trainer" and m.policy in cfg.policies and "wait_frac" in m.values:
                     wait[m.policy] = m.values["wait_frac"]
@@ -185,6 +204,8 @@ def run_controller(cfg, bus, stop) -> None:
             producer.send(names.control, encode(msg), key=key, headers=headers_for(msg))
             patiently(f"controller: decision for {key}", producer.flush, log=log)
             log.info("controller: %s -> %d workers: %s", key, decision.workers, decision.reason)
+            if actuation is not None:
+                actuation.want(decision.workers, decision.reason)  # tried at the top of the loop, right away
     finally:
         monitor.close()
         producer.close()

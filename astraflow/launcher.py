@@ -447,9 +447,10 @@ class Launcher:
                 done.wait(0.5)
 
     def _read_target(self, bus) -> None:
-        """With ``controller.enabled``: the controller's newest ``target_replicas`` for this run's RaaS workers
-        (from ``control``) becomes :attr:`raas_target` (the view thread: it may wait on the bus)."""
-        if not self.cfg.controller.enabled:
+        """With ``controller.enabled`` and ``actuator: local``: the controller's newest ``target_replicas`` for this
+        run's RaaS workers (from ``control``) becomes :attr:`raas_target` (the view thread: it may wait on the bus).
+        Another actuator scales RaaS elsewhere (compose, Kubernetes), not the launcher's workers."""
+        if not self.cfg.controller.enabled or self.cfg.controller.actuator != "local":
             return
         if self._control is None:
             self._control = LatestByKey(bus, self.names.control, Control, client_id=f"{self.cfg.run}.launcher-control")

@@ -135,7 +135,7 @@ class RaasWorker:
         self.consumer.subscribe([self.names.prompts])
         self.prompts = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, Prompt)
         self.paused_reason = ""
-        self.held_by_control = False
+        self.held_by_control = ""  # "pause" or "throttle" while a command on control holds this worker
         self.totals = {"prompts": 0, "groups": 0, "tokens": 0, "too_long": 0}
         self._last_metric = 0.0
 
@@ -202,10 +202,10 @@ class RaasWorker:
             total += max(0, lag - pc.checkpoint_every * pc.batch_groups)
         return total
 
-    def commanded(self) -> tuple[str, int | None]:
+    def commanded(self) -> tuple[str, str, int | None]:
         """What the operators' and controllers' commands on ``control`` (:class:`~topics.schemas.Control`)
-        allow this worker now: ``(why it must hold, '' when it need not; how many prompts it may roll
-        out now, None when no throttle applies)``.
+        allow this worker now: ``(the command that holds it: "pause", "throttle" or ''; why, '' when
+        nothing holds it; how many prompts it may roll out now, None when no throttle applies)``.
 
         The commands for every worker of the workflow (component ``raas.<workflow>``) and for this one
         (``raas.<workflow>/<id>``) both apply: a ``pause`` on either holds it; of two throttles the lower
@@ -222,17 +222,17 @@ class RaasWorker:
         for scope in scopes:
             msg = latest.get(f"{scope}:pause")
             if msg is not None and msg.action == "pause":
-                return f"paused by control ({scope}: {msg.reason or 'no reason given'})", 0
+                return "pause", f"paused by control ({scope}: {msg.reason or 'no reason given'})", 0
         rates = [m.value for s in scopes if (m := latest.get(f"{s}:throttle")) is not None and m.value]
         if not rates:
-            return "", None
+            return "", "", None
         now = time.monotonic()
         while self._rolled_at and now - self._rolled_at[0] >= 60.0:
             self._rolled_at.popleft()
         room = min(rates) - len(self._rolled_at)
         if room <= 0:
-            return f"throttled by control to {min(rates)} prompts a minute", 0
-        return "", room
+            return "throttle", f"throttled by control to {min(rates)} prompts a minute", 0
+        return "", "", room
 
     def pause_reason(self) -> str:
         """Why this worker should not roll out now ('' when it should).
@@ -348,8 +348,7 @@ class RaasWorker:
             Prompts rolled out (0 while paused or idle); dead-lettered ones are not counted.
         """
         self.sync_weights()
-        reason, room = self.commanded()
-        self.held_by_control = bool(reason)
+        self.held_by_control, reason, room = self.commanded()
         reason = reason or self.pause_reason()
         assignment = self.consumer.assignment()
         if reason != self.paused_reason:
@@ -427,8 +426,10 @@ class RaasWorker:
             return
         self._last_metric = time.monotonic()
         values = {f"{k}_total": float(v) for k, v in self.totals.items()}
-        values["paused"] = 1.0 if self.paused_reason else 0.0
-        values["held_by_control"] = 1.0 if self.held_by_control else 0.0
+        # paused: held back by backpressure (what a scaling controller reads); commands count apart
+        values["paused"] = 1.0 if self.paused_reason and not self.held_by_control else 0.0
+        values["paused_by_control"] = 1.0 if self.held_by_control == "pause" else 0.0
+        values["throttled"] = 1.0 if self.held_by_control == "throttle" else 0.0
         values.update({f"version.{p}": float(e.version) for p, e in self.engines.items()})
         metric = Metric(component=self.id, kind="raas", values=values)
         self.producer.send(self.names.metrics, encode(metric), key=self.id, headers=headers_for(metric))

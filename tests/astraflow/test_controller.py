@@ -9,6 +9,7 @@ import pytest
 
 from astraflow.config import load_config
 from astraflow.controller import Observation, ScalingController, run_controller
+from tests.astraflow.test_actuators import calls, recorder
 from topics.bus import connect
 from topics.codec import encode, headers_for
 from topics.follow import LatestByKey
@@ -105,6 +106,104 @@ def test_the_controller_writes_its_decision_and_reason_to_control(bus_url, tmp_p
         control.close()
         producer.close()
     assert not thread.is_alive()
+
+
+def test_the_controller_carries_its_decision_out_retries_a_failure_and_reapplies_it_when_restarted(bus_url, tmp_path):
+    """actuator: compose, its command a recording script (no Docker daemon here, see test_actuators.py): the
+    decision goes to `control`, then to compose; a failed `up` is retried and reported on `metrics`; a restarted
+    controller applies the newest target on `control` again, before any new decision."""
+    run = f"act{uuid.uuid4().hex[:8]}"
+    compose_file = tmp_path / "docker-compose.yml"
+    compose_file.write_text("services: {}\n")
+    path = tmp_path / "run.yaml"
+    path.write_text(f"run: {run}\nrun_dir: {tmp_path / 'run'}\nbus: {bus_url}\npolicies: {{actor: {{model: tiny}}}}\n"
+                    "controller: {interval_s: 0.2, window: 2, cooldown_s: 0, max_workers: 2, actuator: compose, "
+                    f"compose_file: {compose_file}, compose_command: [{recorder(tmp_path)}]}}\n")
+    (tmp_path / "exit_code").write_text("1")  # compose fails at first
+    cfg = load_config(path)
+    names, bus = TopicNames(run), connect(cfg.bus, cfg.kafka)
+    bus.admin().ensure_run_topics(names, ["actor"])
+    producer = bus.producer()
+    want = ["-f", str(compose_file), "up", "-d", "--no-recreate", "--scale", "raas=2", "raas"]
+
+    def controller() -> tuple[threading.Thread, threading.Event]:
+        stop = threading.Event()
+        thread = threading.Thread(target=run_controller, args=(cfg, bus, stop), daemon=True)
+        thread.start()
+        return thread, stop
+
+    thread, stop = controller()
+    try:
+        for _ in range(300):  # the trainer keeps reporting that it starves
+            m = Metric(component="trainer.actor", kind="trainer", policy="actor", step=1, values={"wait_frac": 0.9})
+            producer.send(names.metrics, encode(m), key=m.component, headers=headers_for(m))
+            producer.flush()
+            if calls(tmp_path):
+                break
+            threading.Event().wait(0.2)
+        (tmp_path / "exit_code").unlink()  # compose works again
+        control = LatestByKey(bus, names.control, Control)
+        metrics = LatestByKey(bus, names.metrics, Metric)
+        try:
+            assert control.read_to_end()["raas.single_turn"].value == 2  # on control before compose ran
+            report = None
+            for _ in range(100):
+                report = metrics.poll(0.2).get("controller")
+                if report is not None and report.values["applied_workers"] == 2:
+                    break
+        finally:
+            control.close()
+            metrics.close()
+        assert report is not None and report.kind == "controller"
+        assert report.values["applied_workers"] == 2 and report.values["target_workers"] == 2
+        assert report.values["actuator_errors"] >= 1 and report.values["actuator_failing"] == 0
+        tried = len(calls(tmp_path))
+        assert tried >= 2 and all(c == want for c in calls(tmp_path))
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    thread, stop = controller()  # restarted: applies the target on control again, with no new metrics
+    try:
+        for _ in range(150):
+            if len(calls(tmp_path)) > tried:
+                break
+            threading.Event().wait(0.2)
+        assert calls(tmp_path)[tried:] == [want]
+    finally:
+        stop.set()
+        thread.join(30)
+        producer.close()
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("actuator, want", [("local", 3), ("compose", 1)])
+def test_the_launcher_follows_control_only_with_the_local_actuator(tmp_path, actuator, want):
+    """With compose or kubernetes the controller scales RaaS elsewhere: the launcher's own workers stay."""
+    from pathlib import Path
+
+    from astraflow.launcher import Launcher
+
+    (tmp_path / "docker-compose.yml").write_text("services: {}\n")
+    extra = [f"controller.compose_file={tmp_path / 'docker-compose.yml'}"] if actuator == "compose" else []
+    cfg = load_config(None, ["policies.actor.model=tiny", f"run_dir={tmp_path}", "controller.enabled=true",
+                             f"controller.actuator={actuator}", *extra])
+    bus, names = connect(cfg.bus), TopicNames(cfg.run)
+    bus.admin().ensure_run_topics(names, ["actor"])
+    producer = bus.producer()
+    msg = Control(component="raas.single_turn", action="target_replicas", value=3, reason="test")
+    producer.send(names.control, encode(msg), key=msg.component, headers=headers_for(msg))
+    producer.flush()
+    producer.close()
+    launcher = Launcher(cfg, Path("examples/arith-tiny.yaml"), [])
+    for _ in range(20):
+        launcher._read_target(bus)
+        if launcher.raas_target != 1:
+            break
+        threading.Event().wait(0.05)
+    if launcher._control is not None:
+        launcher._control.close()
+    assert launcher.raas_target == want
 
 
 @pytest.mark.slow

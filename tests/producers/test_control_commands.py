@@ -12,7 +12,8 @@ from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
 from topics.bus import connect
 from topics.names import TopicNames
-from topics.schemas import Control
+from topics.follow import LatestByKey
+from topics.schemas import Control, Metric
 
 
 def _config(tmp_path, bus_url, tiny_model_dir):
@@ -90,6 +91,13 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
         assert steps(worker, 20) == before + 3
         assert worker.paused_reason == "throttled by control to 3 prompts a minute"
         worker._maybe_metrics(every_s=0.0)
+        worker.producer.flush()
+        metrics = LatestByKey(bus, names.metrics, Metric)
+        try:
+            held = metrics.read_to_end()["raas-0"].values
+        finally:
+            metrics.close()
+        assert (held["throttled"], held["paused_by_control"], held["paused"]) == (1.0, 0.0, 0.0)
         _control(path, "throttle", "--worker", "0", seen_by=(worker,))  # lifted: the workflow's 10 a minute holds now
         assert steps(worker, 20) == before + 10, worker.paused_reason
         assert worker.paused_reason == "throttled by control to 10 prompts a minute"
