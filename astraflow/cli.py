@@ -68,12 +68,13 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     reward_last are the mean training reward over the first and the last 20% of trainer steps;
     metrics.jsonl and reward_curve.png are written to the run directory."""
     from astraflow.launcher import Launcher, preflight
+    from astraflow.tracker import TrackingUnavailable
     from topics.bus import BusError
 
     cfg = _load(config, overrides)
     try:
         preflight(cfg)
-    except (KeyError, ValueError, TypeError, FileNotFoundError) as e:
+    except (KeyError, ValueError, TypeError, FileNotFoundError, TrackingUnavailable) as e:
         reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # a KeyError's str() is its repr
         typer.echo(f"invalid run config {config}: {reason}", err=True)
         raise typer.Exit(2)
@@ -303,6 +304,36 @@ def exporter(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) 
             exp.poll(0.5)
     finally:
         exp.close()
+
+
+@app.command()
+def tracker(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
+    """Write every figure on the run's `metrics` topic to TensorBoard (`tracking.tensorboard_dir`, a TensorBoard
+    run per component under <dir>/<run>/) and W&B (`tracking.wandb_project`, `tracking.wandb_mode`), as its own
+    consumer group `<run>.tracker`; offsets are committed after each flush (`tracking.flush_every_s`), so a
+    restart resumes after what was written. Runs until SIGTERM; `astraflow run` starts it when a sink is set.
+    Needs the tracking profile (scripts/install.sh tracking)."""
+    from astraflow.tracker import MetricsTracker, TrackingUnavailable, require_packages
+    from topics.bus import connect
+    from topics.names import TopicNames
+
+    cfg = _load(config, overrides)
+    if not cfg.tracking.enabled:
+        typer.echo("nothing to track: set tracking.tensorboard_dir or tracking.wandb_project", err=True)
+        raise typer.Exit(2)
+    try:
+        require_packages(cfg.tracking)
+    except TrackingUnavailable as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2)
+    stop = _component_setup("tracker", cfg)
+    try:
+        tracking = MetricsTracker(connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), list(cfg.policies),
+                                  cfg.workflow.name, cfg.tracking, cfg.run_dir)
+    except OSError as e:
+        typer.echo(f"tracking.tensorboard_dir={cfg.tracking.tensorboard_dir}: cannot write there: {e}", err=True)
+        raise typer.Exit(2)
+    tracking.run(stop)
 
 
 @app.command()

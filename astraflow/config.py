@@ -197,6 +197,33 @@ class EvalConfig(_Strict):
     limit: int | None = Field(default=None, ge=1)
 
 
+class TrackingConfig(_Strict):
+    """TensorBoard and W&B (``astraflow tracker``, :mod:`astraflow.tracker`): a component of its own that writes
+    every figure on ``metrics`` to them. With ``tensorboard_dir`` or ``wandb_project`` set, ``astraflow run`` starts
+    it. Needs the ``tracking`` install profile (``scripts/install.sh tracking``)."""
+
+    tensorboard_dir: Path | None = Field(default=None, description="write TensorBoard event files under "
+                                         "<tensorboard_dir>/<run>/<component>/")
+    wandb_project: str | None = Field(default=None, min_length=1, description="log to this W&B project, one W&B "
+                                      "run per AstraFlow run (entity and key: W&B's own WANDB_* settings)")
+    wandb_mode: Literal["online", "offline"] | None = Field(
+        default=None, description="W&B's mode; offline writes the W&B run under <run_dir>/wandb for `wandb sync` "
+                                  "later; None: W&B's own default (WANDB_MODE, else online)")
+    flush_every_s: float = Field(default=10.0, gt=0, description="seconds between two flushes; the tracker's "
+                                 "offsets are committed after each flush, so a restart resumes after it")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any sink is configured (then ``astraflow run`` starts the tracker)."""
+        return self.tensorboard_dir is not None or self.wandb_project is not None
+
+    @model_validator(mode="after")
+    def _mode_needs_project(self) -> "TrackingConfig":
+        if "wandb_mode" in self.model_fields_set and self.wandb_mode is not None and self.wandb_project is None:
+            raise ValueError(f"tracking.wandb_mode={self.wandb_mode} applies to W&B: set tracking.wandb_project")
+        return self
+
+
 class ExporterConfig(_Strict):
     """The Prometheus exporter (``astraflow exporter``, :mod:`astraflow.exporter`). With ``port`` set,
     ``astraflow run`` starts it as a component; ``astraflow exporter`` serves on ``port`` (default 9400)."""
@@ -289,6 +316,7 @@ class RunConfig(_Strict):
     raas: RaasConfig = Field(default_factory=RaasConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     exporter: ExporterConfig = Field(default_factory=ExporterConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     coupling: Literal["independent", "barrier"] = Field(
         default="independent", description="independent trainers, or lockstep versions across policies")

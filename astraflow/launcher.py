@@ -174,6 +174,7 @@ def vllm_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[s
 def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[Component]:
     """The processes of a run, in start order: vLLM servers, trainers and filters, then RaaS, then acquisition, then
     the scaling controller when ``controller.enabled``, then the Prometheus exporter when ``exporter.port`` is
+    set, then the TensorBoard/W&B tracker when ``tracking.tensorboard_dir`` or ``tracking.wandb_project`` is
     set."""
     logs = cfg.run_dir / "logs"
     comps, vllm_urls = vllm_components(cfg, logs)
@@ -193,6 +194,8 @@ def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> 
                                logs / "controller.log"))
     if cfg.exporter.port is not None:
         comps.append(Component("exporter", component_argv("exporter", config_path, overrides), logs / "exporter.log"))
+    if cfg.tracking.enabled:
+        comps.append(Component("tracker", component_argv("tracker", config_path, overrides), logs / "tracker.log"))
     return comps
 
 
@@ -236,15 +239,17 @@ def plot_rewards(views: dict, path: Path) -> None:
 
 def preflight(cfg: RunConfig) -> None:
     """Check what the config names before any process starts: the workflow and its options, the data
-    sources, and each policy's filter chain, serving policies and model directory (the bus is checked by
-    the caller).
+    sources, each policy's filter chain, serving policies and model directory, and the packages of the
+    tracking sinks (the bus is checked by the caller).
 
     Raises:
         KeyError, ValueError, TypeError: an unknown workflow, role, option or filter (the message lists the known ones).
         producers.sources.SourceError: a data source that is neither built in nor a readable dataset.
         FileNotFoundError: a model directory that does not exist.
+        astraflow.tracker.TrackingUnavailable: a tracking sink is set and its package is not installed.
     """
     from astraflow.models import resolve_model
+    from astraflow.tracker import require_packages
     from policies.base import Filter, PolicyConfigError
     from policies.registry import build_chain, build_serving
     from producers.sources import load_source
@@ -262,6 +267,7 @@ def preflight(cfg: RunConfig) -> None:
                 raise PolicyConfigError(e.policy, f"{e.reason} (policies.{name}.{field})", e.param) from None
         if pc.model != "tiny":
             resolve_model(pc.model)
+    require_packages(cfg.tracking)
 
 
 class Launcher:

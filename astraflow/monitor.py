@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from rich.console import Group
 from rich.table import Table
 
-from topics.bus import Bus, BusError
+from topics.bus import Bus, BusError, TopicPartition, offsets_after
 from topics.codec import MessageError, decode
 from topics.names import TopicNames
 from topics.schemas import DeadLetter, Metric
@@ -65,13 +65,17 @@ class RunMonitor:
         self.rejected = 0
         self.dead_letters = 0
         self.last_dead_letter: str | None = None
+        #: per partition of ``metrics`` and ``deadletter``, the offset after the newest record read (:meth:`commit`)
+        self.read_to: dict[TopicPartition, int] = {}
         self._rollout_tokens: dict[str, list[tuple[float, float]]] = {}  # worker -> [(ts, tokens_total)]
 
     def poll(self, timeout_s: float = 0.2) -> list[Metric]:
         """Read new metrics and dead letters and update the views; returns the metrics (invalid records are
         counted, not raised)."""
         out = []
-        for r in self.consumer.poll(1000, timeout_s):
+        records = self.consumer.poll(1000, timeout_s)
+        self.read_to.update(offsets_after(records))
+        for r in records:
             if r.topic == self.names.deadletter:
                 self._count_dead_letter(r)
                 continue
@@ -83,7 +87,9 @@ class RunMonitor:
             out.append(m)
             self.components[m.component] = m
             if m.kind == "raas" and "tokens_total" in m.values:
-                self._rollout_tokens.setdefault(m.component, []).append((m.ts, m.values["tokens_total"]))
+                series = self._rollout_tokens.setdefault(m.component, [])
+                series.append((m.ts, m.values["tokens_total"]))
+                del series[:-1000]  # a worker reports every 2 s: far more than any throughput window
             if m.kind == "trainer" and m.policy in self.views and "publish_errors" in m.values:
                 v = self.views[m.policy]
                 v.publish_errors = int(m.values["publish_errors"])
@@ -209,6 +215,20 @@ class RunMonitor:
                 members.add_row(group, member, ",".join(map(str, parts)) or "-")
         return Group(t, lag, members)
 
+    def commit(self) -> None:
+        """Commit :attr:`read_to` for this monitor's consumer group, on the partitions it still owns (one that
+        moved in a rebalance is re-read by its new owner from the last commit); for a follower that must
+        resume after what it handled (the tracker), once it has handled every record read.
+
+        Raises:
+            topics.bus.BusError: the commit was refused (FatalBusError: the consumer is unusable).
+        """
+        owned = set(self.consumer.assignment())
+        offsets = {tp: offset for tp, offset in self.read_to.items() if tp in owned}
+        if offsets:
+            self.consumer.commit(offsets)
+
     def close(self) -> None:
+        """Leave the consumer group without committing."""
         self.consumer.close()
 

@@ -1,4 +1,7 @@
-"""Where the trainer's per-step metrics go: the ``metrics`` topic, the console, TensorBoard, W&B."""
+"""Where the trainer's per-step metrics go: the ``metrics`` topic, the console, a JSONL file.
+
+TensorBoard and W&B are written from the ``metrics`` topic by the tracker component (:mod:`astraflow.tracker`,
+``tracking:`` in the run config), never on the trainer's path."""
 from __future__ import annotations
 
 import json
@@ -9,7 +12,7 @@ from topics.bus import Producer
 from topics.codec import encode, headers_for
 from topics.schemas import Metric
 
-#: Metrics shown on the console line, in order (the rest go to the other sinks only).
+#: Metrics shown on the console line, in order (the rest go to the bus and the JSONL file only).
 CONSOLE_KEYS = ("loss", "pg_loss", "kl", "clipfrac", "entropy", "grad_norm", "reward_mean", "reward_std",
                 "staleness_mean", "is_ratio_max", "tokens_per_s", "wait_frac")
 
@@ -23,16 +26,13 @@ class MetricsSink:
         producer, topic: the bus producer and the run's ``metrics`` topic (both or neither).
         console: print a one-line summary per step with ``rich``.
         jsonl_path: append each record as a JSON line (file).
-        tensorboard_dir: write TensorBoard scalars there (needs ``tensorboard``; imported lazily).
-        wandb_project: log to this W&B project (needs ``wandb``; imported lazily).
 
     Raises:
-        ImportError: a tracking sink is configured but its package is not installed.
+        ValueError: only one of ``producer`` and ``topic`` is given.
     """
 
     def __init__(self, component: str, policy: str | None = None, *, producer: Producer | None = None,
-                 topic: str | None = None, console: bool = True, jsonl_path: str | Path | None = None,
-                 tensorboard_dir: str | Path | None = None, wandb_project: str | None = None):
+                 topic: str | None = None, console: bool = True, jsonl_path: str | Path | None = None):
         if (producer is None) != (topic is None):
             raise ValueError("MetricsSink needs both producer and topic, or neither")
         self.component, self.policy = component, policy
@@ -43,16 +43,6 @@ class MetricsSink:
             from rich.console import Console
 
             self._console = Console(stderr=True)
-        self._tb = None
-        if tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(tensorboard_dir))
-        self._wandb = None
-        if wandb_project:
-            import wandb
-
-            self._wandb = wandb.init(project=wandb_project, name=component)
 
     def emit(self, step: int, values: dict[str, Any]) -> None:
         """Send ``values`` (numbers) for ``step`` to every sink; the bus record is queued, not flushed."""
@@ -66,15 +56,10 @@ class MetricsSink:
         if self._console is not None:
             shown = "  ".join(f"{k} [bold]{vals[k]:.4g}[/bold]" for k in CONSOLE_KEYS if k in vals)
             self._console.print(f"[cyan]{self.component}[/cyan] step {step}  {shown}", highlight=False)
-        if self._tb is not None:
-            for k, v in vals.items():
-                self._tb.add_scalar(k, v, step)
-        if self._wandb is not None:
-            self._wandb.log(vals, step=step)
 
     def alert(self, values: dict[str, Any]) -> None:
         """Send a condition that is not a training step (e.g. ``publish_errors``) to the bus and the console
-        at once (flushed), not to the per-step sinks (JSONL, TensorBoard, W&B)."""
+        at once (flushed), not to the per-step JSONL file."""
         vals = {k: float(v) for k, v in values.items()}
         if self.producer is not None:
             msg = Metric(component=self.component, kind="trainer", policy=self.policy, values=vals)
@@ -85,10 +70,6 @@ class MetricsSink:
             self._console.print(f"[yellow]{self.component}[/yellow] {shown}", highlight=False)
 
     def close(self) -> None:
-        """Flush the producer and close tracking sinks."""
+        """Flush the producer."""
         if self.producer is not None:
             self.producer.flush()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()

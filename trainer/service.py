@@ -93,8 +93,6 @@ class ServiceConfig:
     idle_exit_s: float | None = None
     poll_timeout_s: float = 5.0
     console: bool = True
-    tensorboard_dir: Path | None = None
-    wandb_project: str | None = None
     kafka: KafkaSecurity | None = None
 
 
@@ -135,8 +133,7 @@ class TrainerService:
         self.trainer = Trainer(cfg.trainer, cfg.model_dir, publisher=publisher)
         self._ranks = cfg.trainer.ranks
         self.metrics = MetricsSink(f"trainer.{policy}", policy, producer=self.producer, topic=self.names.metrics,
-                                   console=cfg.console, jsonl_path=self.run_dir / "metrics.jsonl",
-                                   tensorboard_dir=cfg.tensorboard_dir, wandb_project=cfg.wandb_project)
+                                   console=cfg.console, jsonl_path=self.run_dir / "metrics.jsonl")
         self.barrier = VersionBarrier(self.bus, self.names, cfg.barrier_peers) if cfg.barrier_peers else None
         self._pending: list[TrainedBatch] = []  # steps since the last checkpoint
         self._committed: dict = {}

@@ -1,5 +1,6 @@
 """The Prometheus exporter: a run's figures at /metrics over real HTTP, read from the bus as its own consumer
-group; in a whole `astraflow run` with `exporter.port` set, live values during the run."""
+group; in a whole `astraflow run` with `exporter.port` set, live values during the run, among them every figure
+the Grafana dashboard (deploy/grafana/astraflow.json) queries."""
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from topics.names import TopicNames
 from topics.schemas import Metric
 
 ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy" / "grafana" / "astraflow.json"
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -27,6 +29,39 @@ def scrape(port: int) -> dict[str, float]:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#")}
+
+
+def dashboard_queries(dashboard: dict) -> list[str]:
+    """Every PromQL expression of the dashboard: its panels' targets and its query variables."""
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    return exprs + [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+
+
+def served_names(scraped: dict[str, float]) -> set[str]:
+    """The metric names of a scrape (:func:`scrape`)."""
+    return {key.split("{")[0] for key in scraped}
+
+
+def test_the_grafana_dashboard_is_a_dashboard_of_prometheus_panels_on_a_datasource_variable():
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] and dashboard["title"] and isinstance(dashboard["schemaVersion"], int)
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    ds = {"type": "prometheus", "uid": "${datasource}"}
+    assert variables["policy"]["datasource"] == ds
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(panels) >= 12 and len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    for p in panels:
+        g = p["gridPos"]
+        assert p["title"] and p["datasource"] == ds and 0 <= g["x"] < g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        assert p["targets"] and len({t["refId"] for t in p["targets"]}) == len(p["targets"]), p["title"]
+        for t in p["targets"]:
+            assert t["datasource"] == ds and re.search(r"\bastraflow_\w+", t["expr"]), (p["title"], t)
+    queries = " ".join(dashboard_queries(dashboard))
+    for figure in ("reward_mean", "kl", "entropy", "clipfrac", "staleness_hist", "consumer_lag", "tokens_total",
+                   "component_restarts", "publish_wait_s"):
+        assert f"astraflow_{figure}" in queries, figure
+    assert queries.count("(") == queries.count(")") and queries.count("{") == queries.count("}")
 
 
 def test_names_are_sanitised_and_the_staleness_histogram_is_a_label():
@@ -81,26 +116,31 @@ def test_every_figure_on_metrics_is_served_with_lag_and_the_newest_histogram(bus
 @pytest.mark.slow
 def test_a_run_serves_live_metrics_while_it_trains(tmp_path):
     """`exporter.port` set: `astraflow run` starts the exporter as a component; scraped during the run, the
-    trainer's reward and step move and the consumer lag is there; the exporter stops with the run."""
+    trainer's reward and step move and the consumer lag is there, and every metric the Grafana dashboard queries
+    is served; the exporter stops with the run."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "astraflow", "run", "examples/arith-tiny.yaml",
                              f"run=exprun{uuid.uuid4().hex[:8]}", f"run_dir={tmp_path}", "policies.actor.steps=60",
                              f"exporter.port={port}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    steps, deadline = [], time.monotonic() + 400
+    queried = {name for q in dashboard_queries(json.loads(DASHBOARD.read_text()))
+               for name in re.findall(r"\bastraflow_\w+", q)}
+    steps, seen, deadline = [], set(), time.monotonic() + 400
     try:
-        while len(set(steps)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        while (len(set(steps)) < 3 or not queried <= seen) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(1.0)
             try:
                 got = scrape(port)
             except httpx.HTTPError:
                 continue  # not serving yet
+            seen |= served_names(got)
             step = got.get('astraflow_step{component="trainer.actor",kind="trainer",policy="actor"}')
             if step is not None:
                 steps.append(step)
                 assert 0 <= got['astraflow_reward_mean{component="trainer.actor",kind="trainer",policy="actor"}'] <= 1
                 assert any(re.match(r'astraflow_consumer_lag\{group=".*trainer\.actor"', k) for k in got), got
         assert len(set(steps)) >= 3, steps  # three different live steps seen
+        assert queried <= seen, f"the dashboard queries metrics the exporter never served: {sorted(queried - seen)}"
         out, err = proc.communicate(timeout=400)
     finally:
         proc.kill()
