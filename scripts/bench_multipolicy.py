@@ -33,8 +33,10 @@ Threads: the brief is "equal cores" (2). On a machine shared with other jobs,
 
 Usage: ``scripts/bench_multipolicy.py [--quick] [--repeats R]``. Prints each
 measurement, min/median/max over repeats, and ends with one JSON line
-``{"metric": "multipolicy_s_per_iter", "value": pipeline, "baseline": sequential, "ratio": baseline/value}``
-(medians over repeats).
+``{"metric": "multipolicy_s_per_iter", "value": pipeline, "baseline": sequential, "ratio": baseline/value,
+"bound": ..., "efficiency": bound/value}`` (medians over repeats): the bound is the least s/iter of any
+pipeline on 2 cores, ``max(stage sum / 2, largest stage)``, from the 1-thread loop's stage times
+(:func:`two_core_bound`; needs 1 in ``--threads``).
 """
 from __future__ import annotations
 
@@ -57,8 +59,9 @@ CHECKPOINT_EVERY = 4  # trainer steps
 AHEAD = 3  # iterations in flight (both policies' groups, the ones in training included): RaaS backpressure
 
 
-def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: int) -> float:
-    """The sequential loop's steady-state seconds per iteration (see the module docstring)."""
+def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: int) -> tuple[float, dict[str, float]]:
+    """The sequential loop's steady-state seconds per iteration (see the module docstring), and its stages'
+    median seconds per iteration: ``rollout``, ``train.solver``, ``train.verifier``, ``sync``."""
     import torch
 
     torch.set_num_threads(threads)
@@ -78,18 +81,35 @@ def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: in
                               top_p=cfg.sampling.top_p, seed=None)
     source = load_source("arith", seed=seed)
     ends = []
+    stages: dict[str, list[float]] = defaultdict(list)
     for it in range(iters):
+        t0 = time.perf_counter()
         groups = defaultdict(list)
         for i in range(it * batch, (it + 1) * batch):
             prompt = source[i].model_copy(update={"n_samples": g})
             for group in workflow.run(prompt, engines, sampling):
                 groups[group.policy].append(group)
+        stages["rollout"].append(time.perf_counter() - t0)
         for p in policies:  # train each policy in turn
+            t0 = time.perf_counter()
             trainers[p].train_step(groups[p])
+            stages[f"train.{p}"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
         for p in policies:  # sync the rollout engines
             engines[p].load_weights(trainers[p].publish_state(), trainers[p].version)
+        stages["sync"].append(time.perf_counter() - t0)
         ends.append(time.perf_counter())
-    return (ends[-1] - ends[0]) / (iters - 1)
+    return (ends[-1] - ends[0]) / (iters - 1), {k: statistics.median(v[1:]) for k, v in stages.items()}
+
+
+def two_core_bound(stages: dict[str, float], workers: int, cores: int = 2) -> float:
+    """The least seconds per iteration any pipeline of these stages can take on ``cores`` cores:
+    ``max(stage sum / cores, largest stage)``, the rollout stage split over ``workers`` RaaS workers (prompts are
+    independent) and the trainers' stages whole (each policy's steps are sequential). Weight syncs are not
+    counted (the pipeline's engines load weights between batches: a cost the bound does not grant). Stage
+    seconds come from the 1-thread sequential loop (:func:`sequential_s_per_iter`)."""
+    work = stages["rollout"] + stages["train.solver"] + stages["train.verifier"]
+    return max(work / cores, stages["rollout"] / workers, stages["train.solver"], stages["train.verifier"])
 
 
 def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s: float,
@@ -154,12 +174,15 @@ def main() -> None:
     print(f"workload: solve_verify_retry on arith, tiny solver + tiny verifier, {iters} iterations of "
           f"{batch} prompts x G={g}; {os.cpu_count()} cores; sequential loop {a.threads} threads (best), "
           f"pipeline {a.raas_workers} RaaS worker(s), 1 thread per process", flush=True)
-    seq, pipe = [], []
+    seq, pipe, bounds = [], [], []
     for r in range(a.repeats):
         tried = {}
         for t in a.threads:
-            tried[t] = sequential_s_per_iter(iters, batch, g, t, seed=r)
-            print(f"[{r}] sequential multi-agent loop, {t} thread(s): {tried[t]:.3f} s/iter", flush=True)
+            tried[t], stages = sequential_s_per_iter(iters, batch, g, t, seed=r)
+            print(f"[{r}] sequential multi-agent loop, {t} thread(s): {tried[t]:.3f} s/iter ("
+                  + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")", flush=True)
+            if t == 1:  # the pipeline's processes run one thread each: their stages cost what these do
+                bounds.append(two_core_bound(stages, a.raas_workers))
         seq.append(min(tried.values()))
         value, wall = pipeline_s_per_iter(iters, batch, g, a.raas_workers, a.timeout_s)
         pipe.append(value)
@@ -169,8 +192,14 @@ def main() -> None:
         print(f"{name}: min {min(xs):.3f}  median {statistics.median(xs):.3f}  max {max(xs):.3f} s/iter "
               f"over {len(xs)} run(s)")
     value, baseline = statistics.median(pipe), statistics.median(seq)
+    bound = statistics.median(bounds) if bounds else None
+    if bound is not None:
+        print(f"2-core bound: {bound:.3f} s/iter (max(stage sum / 2, largest stage), stages of the 1-thread "
+              f"loop); the pipeline's efficiency {bound / value:.2f} of it", flush=True)
     print(json.dumps({"metric": "multipolicy_s_per_iter", "value": round(value, 4), "baseline": round(baseline, 4),
-                      "ratio": round(baseline / value, 3)}))
+                      "ratio": round(baseline / value, 3),
+                      "bound": None if bound is None else round(bound, 4),
+                      "efficiency": None if bound is None else round(bound / value, 3)}))
 
 
 if __name__ == "__main__":
