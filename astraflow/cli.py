@@ -238,8 +238,8 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
             worker: Optional[str] = typer.Option(None, "--worker", help="one RaaS worker (its --worker-id); "
                                                  "default: every worker of the run's workflow"),
             per_minute: Optional[int] = typer.Option(None, "--per-minute", min=1,
-                                                     help="throttle: the most prompts a worker rolls out in any "
-                                                          "60 s (omitted: lift the throttle)"),
+                                                     help="throttle: prompts a minute per worker, its batches "
+                                                          "spaced to that rate (omitted: lift the throttle)"),
             reason: Optional[str] = typer.Option(None, "--reason", help="why, kept with the command")) -> None:
     """Command the run's RaaS workers through `control`: `pause` (they stop taking prompts after the batch in
     hand), `resume`, or `throttle --per-minute N`. The command is kept (compacted topic): a worker started or

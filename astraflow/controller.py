@@ -38,12 +38,17 @@ class Observation:
     Attributes:
         now: seconds (monotonic or wall, the same clock for every observation).
         wait_frac: per trainer of the workflow, its newest ``wait_frac`` (0..1).
-        paused: per RaaS worker that reported within the grace period, its newest ``paused`` (0 or 1).
+        paused: per RaaS worker that reported within the grace period, its newest ``paused`` (0 or 1):
+            held back by backpressure.
+        paused_by_control: per such worker, its newest ``paused_by_control`` (0 or 1): an operator's
+            ``pause`` on ``control`` holds it. While any is, the controller decides nothing (the trainers starve
+            because rollout was paused on purpose; a new worker would be paused too).
     """
 
     now: float
     wait_frac: dict[str, float]
     paused: dict[str, float]
+    paused_by_control: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,8 +99,8 @@ class ScalingController:
 
     def _side(self, obs: Observation) -> str:
         """'up', 'down' or '' for one observation."""
-        if not obs.wait_frac:
-            return ""  # no trainer has reported: nothing to judge
+        if not obs.wait_frac or any(obs.paused_by_control.values()):
+            return ""  # no trainer has reported, or an operator paused rollout: nothing to judge
         paused = sum(obs.paused.values()) / len(obs.paused) if obs.paused else 0.0
         if min(obs.wait_frac.values()) > self.starved_above and paused <= self.paused_above:
             return "up"  # starved, and not because backpressure holds the workers back (one more would not help)
@@ -178,7 +183,7 @@ def run_controller(cfg, bus, stop) -> None:
                          keep=False)
     producer = bus.producer()
     wait: dict[str, float] = {}  # policy -> newest wait_frac
-    paused: dict[str, tuple[float, float]] = {}  # worker -> (newest paused, its ts)
+    paused: dict[str, tuple[float, float, float]] = {}  # worker -> (newest paused, paused_by_control, its ts)
     log.info("controller for %s: %d workers (%d..%d), observing every %.0f s", key, ctl.workers, c.min_workers,
              c.max_workers, c.interval_s)
     next_at = time.monotonic() + c.interval_s
@@ -192,12 +197,13 @@ def run_controller(cfg, bus, stop) -> None:
                 if m.kind == "trainer" and m.policy in cfg.policies and "wait_frac" in m.values:
                     wait[m.policy] = m.values["wait_frac"]
                 elif m.kind == "raas" and "paused" in m.values:
-                    paused[m.component] = (m.values["paused"], m.ts)
+                    paused[m.component] = (m.values["paused"], m.values.get("paused_by_control", 0.0), m.ts)
             if time.monotonic() < next_at:
                 continue
             next_at = time.monotonic() + c.interval_s
-            alive = {w: v for w, (v, ts) in paused.items() if time.time() - ts <= c.grace_s}
-            decision = ctl.observe(Observation(time.monotonic(), dict(wait), alive))
+            alive = {w: v for w, v in paused.items() if time.time() - v[2] <= c.grace_s}
+            decision = ctl.observe(Observation(time.monotonic(), dict(wait), {w: v[0] for w, v in alive.items()},
+                                               {w: v[1] for w, v in alive.items()}))
             if decision is None:
                 continue
             msg = Control(component=key, action="target_replicas", value=decision.workers, reason=decision.reason)

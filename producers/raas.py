@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 from astraflow.config import RunConfig
@@ -127,7 +126,7 @@ class RaasWorker:
         self.progress = LatestByKey(self.bus, self.names.control, TrainerProgress, client_id=f"{self.id}-progress")
         self.commands = LatestByKey(self.bus, self.names.control, Control, client_id=f"{self.id}-commands")
         self._commands_read = False
-        self._rolled_at: deque[float] = deque()  # monotonic times of the prompts rolled out in the last 60 s
+        self._last_batch = (0.0, 0)  # (monotonic start, prompts) of the newest batch rolled out, for a throttle
         self.producer = self.bus.producer()
         self.consumer = self.bus.consumer(self.names.raas_group(cfg.workflow.name),
                                           session_timeout_s=cfg.raas.session_timeout_s, client_id=self.id,
@@ -209,7 +208,8 @@ class RaasWorker:
 
         The commands for every worker of the workflow (component ``raas.<workflow>``) and for this one
         (``raas.<workflow>/<id>``) both apply: a ``pause`` on either holds it; of two throttles the lower
-        rate holds. A throttle of N allows at most N prompts rolled out in any 60 s.
+        rate holds. A throttle of N prompts a minute spaces batches: after a batch of k prompts the next
+        starts ``k x 60 / N`` seconds after it did (at the rate in force then), and a batch has at most N.
 
         Raises:
             topics.bus.BusError: the bus failed.
@@ -226,13 +226,11 @@ class RaasWorker:
         rates = [m.value for s in scopes if (m := latest.get(f"{s}:throttle")) is not None and m.value]
         if not rates:
             return "", "", None
-        now = time.monotonic()
-        while self._rolled_at and now - self._rolled_at[0] >= 60.0:
-            self._rolled_at.popleft()
-        room = min(rates) - len(self._rolled_at)
-        if room <= 0:
-            return "throttle", f"throttled by control to {min(rates)} prompts a minute", 0
-        return "", "", room
+        rate = min(rates)
+        start, k = self._last_batch
+        if time.monotonic() < start + k * 60.0 / rate:
+            return "throttle", f"throttled by control to {rate} prompts a minute", 0
+        return "", "", rate
 
     def pause_reason(self) -> str:
         """Why this worker should not roll out now ('' when it should).
@@ -377,7 +375,7 @@ class RaasWorker:
                 self._dead_letter(record, too_long)
                 handled[i] = True
         calls = [todo] if self.workflow.batches and todo else [[i] for i in todo]
-        rolled = 0
+        rolled, started = 0, time.monotonic()
         for call in calls:
             if stop is not None and stop.is_set():
                 break
@@ -388,7 +386,6 @@ class RaasWorker:
             for i in call:
                 handled[i] = True
             rolled += len(call)
-            self._rolled_at.extend([time.monotonic()] * len(call))
         for i, too_long in late:
             record = batch[i][0]
             if all(handled[j] for j in todo if j < i and batch[j][0].tp == record.tp):
@@ -410,6 +407,8 @@ class RaasWorker:
             patiently(f"{self.id}: flush", self.producer.flush, log=log)
             patiently(f"{self.id}: commit", lambda: self._commit_owned(offsets), log=log)
         self.totals["prompts"] += rolled
+        if rolled:
+            self._last_batch = (started, rolled)
         self._maybe_metrics()
         return rolled
 

@@ -237,7 +237,7 @@ class Control(Message):
 
     Commands RaaS workers obey (``component`` ``raas.<workflow>`` for every worker of a workflow, or
     ``raas.<workflow>/raas-<id>`` for one): ``pause`` / ``resume``, and ``throttle`` with ``value`` the
-    most prompts a worker rolls out in any 60 s (``value`` None lifts it). ``target_replicas`` (``value``
+    prompts a minute a worker may roll out, batches spaced to that rate (``value`` None lifts it). ``target_replicas`` (``value``
     workers, keyed ``raas.<workflow>``) is the scaling controller's decision, carried out by an actuator.
 
     Raises:
@@ -258,7 +258,7 @@ class Control(Message):
         if self.action == "target_replicas" and (self.value is None or self.value < 1):
             raise ValueError(f"target_replicas needs a value of at least 1 worker, got {self.value}")
         if self.action == "throttle" and self.value is not None and self.value < 1:
-            raise ValueError(f"throttle value is prompts per 60 s, at least 1 (None lifts it), got {self.value}")
+            raise ValueError(f"throttle value is prompts a minute, at least 1 (None lifts it), got {self.value}")
         if self.action in ("pause", "resume") and self.value is not None:
             raise ValueError(f"{self.action} takes no value, got {self.value}")
         return self

@@ -64,6 +64,14 @@ def test_no_worker_is_added_while_backpressure_holds_the_workers_back():
     assert feed(ctl, [(STARVED, {"raas-0": 0.0})] * 2, start=100) == [2]
 
 
+def test_nothing_is_decided_while_an_operator_pause_holds_a_worker():
+    ctl = ScalingController(workers=1, window=2, cooldown_s=0)
+    for i in range(10):  # starved because rollout was paused on purpose: a new worker would be paused too
+        assert ctl.observe(Observation(i * 5.0, STARVED, {"raas-0": 0.0}, {"raas-0": 1.0})) is None
+    assert ctl.observe(Observation(100.0, STARVED, {"raas-0": 0.0}, {"raas-0": 0.0})) is None  # a new window
+    assert ctl.observe(Observation(105.0, STARVED, {"raas-0": 0.0}, {"raas-0": 0.0})).workers == 2
+
+
 def test_alternating_noise_inside_the_window_decides_nothing():
     ctl = ScalingController(workers=2, window=3, cooldown_s=0)
     assert feed(ctl, [(STARVED, {}), (BUSY, HELD)] * 50) == []
@@ -207,32 +215,55 @@ def test_the_launcher_follows_control_only_with_the_local_actuator(tmp_path, act
 
 
 @pytest.mark.slow
-def test_a_run_whose_trainer_starves_gets_a_second_worker(tmp_path):
-    """A real run with one RaaS worker rolling out one prompt per call (slow rollout: the trainer starves):
-    the controller decides 2 workers with its reason on `control`, the launcher starts raas-1, and raas-1 joins
-    the RaaS consumer group (how much it rolls out before the run ends depends on the machine's load)."""
+def test_a_real_run_scales_up_when_its_trainer_starves_and_back_down_when_the_trainer_is_the_bottleneck(tmp_path):
+    """A real run (arith-tiny) starts with one RaaS worker throttled by an operator to 240 prompts a minute
+    (``astraflow control throttle``; a throttle is per worker): the trainer starves, and the controller decides
+    2 workers (the launcher starts raas-1). The test then lifts the throttle: rollout outruns the trainer,
+    backpressure pauses the workers while the trainer is busy, and the controller decides 1 worker (the
+    launcher stops raas-1, retired, exit 0). Both decisions with their reasons are in the controller's log and the
+    newest on ``control``."""
     import json
     import os
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     run = f"ctlrun{uuid.uuid4().hex[:8]}"
-    done = subprocess.run([sys.executable, "-m", "astraflow", "run", "examples/arith-tiny.yaml", f"run={run}",
-                           f"run_dir={tmp_path}", "policies.actor.steps=100", "raas.batch_prompts=1",
-                           "controller.enabled=true", "controller.interval_s=2", "controller.window=3",
-                           "controller.cooldown_s=15", "controller.max_workers=2"],
-                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "started raas-1 (2 RaaS workers)" in done.stderr
-    control = LatestByKey(connect(f"local://{tmp_path / 'bus'}"), TopicNames(run).control, Control)
+    root = Path(__file__).resolve().parents[2]
+    args = ["examples/arith-tiny.yaml", f"run={run}", f"run_dir={tmp_path}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+
+    def control(*more):
+        subprocess.run([sys.executable, "-m", "astraflow", "control", *more[:1], *args, *more[1:]], cwd=root,
+                       env=env, check=True, capture_output=True, timeout=120)
+
+    control("throttle", "--per-minute", "240", "--reason", "test: a slow rollout")
+    log = tmp_path / "logs" / "controller.log"
+    proc = subprocess.Popen([sys.executable, "-m", "astraflow", "run", *args, "policies.actor.steps=200",
+                             "controller.enabled=true", "controller.interval_s=2", "controller.window=3",
+                             "controller.cooldown_s=10", "controller.max_workers=2", "controller.busy_below=0.1"],
+                            cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        decision = control.read_to_end().get("raas.single_turn")
+        deadline = time.monotonic() + 300
+        while "-> 2 workers" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, "no scale-up decision"
+            time.sleep(1)
+        control("throttle", "--reason", "test: rollout is fast now")  # lifted
+        stderr = proc.communicate(timeout=400)[1]
     finally:
-        control.close()
-    assert decision is not None and decision.action == "target_replicas" and decision.reason
-    assert "-> 2 workers: trainers starved" in (tmp_path / "logs" / "controller.log").read_text()
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    decisions = log.read_text()
+    assert "-> 2 workers: trainers starved" in decisions
+    assert "-> 1 workers: trainers busy" in decisions and "workers held back" in decisions
+    assert decisions.index("-> 2 workers") < decisions.index("-> 1 workers")
+    control_topic = LatestByKey(connect(f"local://{tmp_path / 'bus'}"), TopicNames(run).control, Control)
+    try:
+        decision = control_topic.read_to_end().get("raas.single_turn")
+    finally:
+        control_topic.close()
+    assert decision.action == "target_replicas" and decision.value == 1 and "trainers busy" in decision.reason
     components = json.loads((tmp_path / "components.json").read_text())
     assert components["raas-1"]["exit_code"] == 0 and components["controller"]["exit_code"] == 0
     assert f"raas-1: joined {run}.raas.single_turn" in (tmp_path / "logs" / "raas-1.log").read_text()

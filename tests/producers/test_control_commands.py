@@ -83,12 +83,12 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
             other.close()
         _control(path, "resume", "--worker", "0", seen_by=(worker,))
 
-        # Throttles: the lower rate holds; 3 prompts in 60 s, then held (one batch of 2, then one of 1).
-        _control(path, "throttle", "--per-minute", "10", seen_by=(worker,))
+        # Throttles: the lower rate holds. At 3 prompts a minute: one batch of 2, then 40 s until the next.
+        _control(path, "throttle", "--per-minute", "600", seen_by=(worker,))
         _control(path, "throttle", "--worker", "0", "--per-minute", "3", seen_by=(worker,))
-        worker._rolled_at.clear()  # count from now
+        worker._last_batch = (0.0, 0)  # count from now
         before = produced()
-        assert steps(worker, 20) == before + 3
+        assert steps(worker, 20) == before + 2  # 20 steps take a few seconds
         assert worker.paused_reason == "throttled by control to 3 prompts a minute"
         worker._maybe_metrics(every_s=0.0)
         worker.producer.flush()
@@ -98,9 +98,9 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
         finally:
             metrics.close()
         assert (held["throttled"], held["paused_by_control"], held["paused"]) == (1.0, 0.0, 0.0)
-        _control(path, "throttle", "--worker", "0", seen_by=(worker,))  # lifted: the workflow's 10 a minute holds now
-        assert steps(worker, 20) == before + 10, worker.paused_reason
-        assert worker.paused_reason == "throttled by control to 10 prompts a minute"
+        # lifted: the workflow's 600 a minute holds now, a batch of 2 every 0.2 s
+        _control(path, "throttle", "--worker", "0", seen_by=(worker,))
+        assert steps(worker, 40, until=before + 8) >= before + 8, worker.paused_reason
     finally:
         worker.close()
 
