@@ -47,11 +47,16 @@ def _admin(cfg):
 def _component_setup(name: str, cfg) -> threading.Event:
     """Logging for a component process, the run's topics (created if missing, so components can start
     in any order on any machine), and a stop event set by SIGTERM / SIGINT, and also, in a component
-    that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launcher.watch_launcher`)."""
+    that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launcher.watch_launcher`). The
+    process first pins itself to the CPUs the launcher placed it on (:func:`astraflow.placement.apply_placement`)."""
     from astraflow.launcher import watch_launcher
     from topics.names import TopicNames
 
+    from astraflow.placement import apply_placement
+
+    placed = apply_placement()  # before anything starts a thread
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
+    logging.getLogger("astraflow").info("%s on %s", name, placed)
     _admin(cfg).ensure_run_topics(TopicNames(cfg.run), list(cfg.policies))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -224,6 +224,29 @@ class TrackingConfig(_Strict):
         return self
 
 
+class Placement(_Strict):
+    """Where one kind of component runs on the launcher's machine, as one would give it GPUs."""
+
+    cpus: list[int] | None = Field(default=None, min_length=1,
+                                   description="CPU ids it may run on (sched_setaffinity); default: any")
+    threads: int | None = Field(default=None, ge=1, description="its torch / OpenMP threads (OMP_NUM_THREADS); "
+                                "default: the launcher's OMP_NUM_THREADS, else 1")
+
+
+class PlacementConfig(_Strict):
+    """``astraflow run``'s placement of each kind of component (:mod:`astraflow.placement`): ``placement.trainer:
+    {cpus: [0], threads: 1}`` pins every trainer process (all its ranks) to CPU 0 with one thread. Components
+    started on their own (``astraflow raas ...``, compose, Kubernetes) are placed by whoever starts them."""
+
+    acquire: Placement = Field(default_factory=Placement)
+    raas: Placement = Field(default_factory=Placement)
+    policy: Placement = Field(default_factory=Placement, description="the filter processors")
+    trainer: Placement = Field(default_factory=Placement)
+    controller: Placement = Field(default_factory=Placement)
+    exporter: Placement = Field(default_factory=Placement)
+    tracker: Placement = Field(default_factory=Placement)
+
+
 class ExporterConfig(_Strict):
     """The Prometheus exporter (``astraflow exporter``, :mod:`astraflow.exporter`). With ``port`` set,
     ``astraflow run`` starts it as a component; ``astraflow exporter`` serves on ``port`` (default 9400)."""
@@ -318,6 +341,7 @@ class RunConfig(_Strict):
     exporter: ExporterConfig = Field(default_factory=ExporterConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     coupling: Literal["independent", "barrier"] = Field(
         default="independent", description="independent trainers, or lockstep versions across policies")
     max_wall_s: float | None = Field(default=None, gt=0, description="stop the run after this many seconds")

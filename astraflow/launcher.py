@@ -43,6 +43,7 @@ from rich.live import Live
 from astraflow.config import RunConfig
 from astraflow.files import atomic_write
 from astraflow.monitor import RunMonitor
+from astraflow.placement import check_placement, placement_env
 from topics.bus import BusError, connect
 from topics.follow import LatestByKey
 from topics.names import TopicNames
@@ -239,11 +240,12 @@ def plot_rewards(views: dict, path: Path) -> None:
 
 def preflight(cfg: RunConfig) -> None:
     """Check what the config names before any process starts: the workflow and its options, the data
-    sources, each policy's filter chain, serving policies and model directory, and the packages of the
-    tracking sinks (the bus is checked by the caller).
+    sources, each policy's filter chain, serving policies and model directory, the packages of the
+    tracking sinks, and the placement's CPUs (the bus is checked by the caller).
 
     Raises:
-        KeyError, ValueError, TypeError: an unknown workflow, role, option or filter (the message lists the known ones).
+        KeyError, ValueError, TypeError: an unknown workflow, role, option or filter (the message lists the known ones);
+            a placement on CPUs this machine lacks (:class:`~astraflow.config.ConfigError`, a ValueError).
         producers.sources.SourceError: a data source that is neither built in nor a readable dataset.
         FileNotFoundError: a model directory that does not exist.
         astraflow.tracker.TrackingUnavailable: a tracking sink is set and its package is not installed.
@@ -255,6 +257,7 @@ def preflight(cfg: RunConfig) -> None:
     from producers.sources import load_source
     from producers.workflows import get_workflow
 
+    check_placement(cfg)
     get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None, **cfg.workflow.options)
     for src in cfg.data.sources:
         load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed)
@@ -294,6 +297,9 @@ class Launcher:
         comp.log.parent.mkdir(parents=True, exist_ok=True)
         env = dict(comp.env or os.environ, PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{LAUNCHER_PID_ENV: str(os.getpid())})
+        placement = getattr(self.cfg.placement, comp.kind, None)
+        if placement is not None:  # vLLM servers are placed by their own options
+            env.update(placement_env(placement))
         with open(comp.log, "ab") as log:
             comp.proc = subprocess.Popen(comp.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)

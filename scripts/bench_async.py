@@ -60,6 +60,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from astraflow.placement import placement_overrides  # noqa: E402  (after sys.path gets the repository)
+
 CONFIG = ROOT / "examples" / "arith-tiny.yaml"
 
 
@@ -148,7 +150,7 @@ def run_pipeline(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         run = f"bench-async-{uuid.uuid4().hex[:8]}"
         cmd = [sys.executable, "-m", "astraflow", "run", str(CONFIG), *workload_overrides(args),
-               f"run={run}", f"run_dir={tmp}/{run}"]
+               *placement_overrides(args.place), f"run={run}", f"run_dir={tmp}/{run}"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
         if out.returncode != 0:
@@ -178,6 +180,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=16, help="G: samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="generation budget per sample")
     parser.add_argument("--max-staleness", type=int, default=2, help="bounded staleness of the pipeline (versions)")
+    parser.add_argument("--place", action="append", default=[], metavar="KIND=CPUS[:THREADS]",
+                        help="the pipeline's placement, e.g. --place trainer=0 --place raas=1 (default: the OS "
+                             "schedules its processes, 1 thread each)")
     parser.add_argument("--sync-threads", default="1,2",
                         help="comma-separated torch thread counts tried for the sync arm (e.g. 1,2); the fastest is the baseline")
     parser.add_argument("--_sync-child", type=int, default=None, help=argparse.SUPPRESS)
@@ -194,7 +199,8 @@ def main() -> None:
     timed = args.steps - args.warmup
     print(f"workload: tiny model, {args.prompts} prompts x G={args.group}, max_new_tokens={args.max_new_tokens}, "
           f"{args.steps} trainer steps, timed {timed} (after {args.warmup} warm-up); pipeline max_staleness="
-          f"{args.max_staleness}; 2 cores per arm", flush=True)
+          f"{args.max_staleness}; 2 cores per arm; pipeline placement: "
+          f"{', '.join(args.place) or 'none (the OS schedules, 1 thread per process)'}", flush=True)
     sync: dict[int, list[float]] = {t: [] for t in threads}
     sync_phases: dict[int, list[tuple[float, float]]] = {t: [] for t in threads}
     pipe: list[dict] = []
@@ -229,7 +235,7 @@ def main() -> None:
         "pipeline_s_runs": [round(p["timed_s"], 3) for p in pipe],
         "pipeline_staleness_mean": round(statistics.mean(p["staleness_mean"] for p in pipe), 3),
         "max_staleness": args.max_staleness, "prompts": args.prompts, "group": args.group,
-        "max_new_tokens": args.max_new_tokens, "model": "tiny",
+        "max_new_tokens": args.max_new_tokens, "model": "tiny", "placement": args.place,
         "overlap_bound": None if bound_best is None else round(bound_best, 3),
         "efficiency": None if bound_best is None else round(sync_s / pipeline_s / bound_best, 3)}))
 

@@ -54,6 +54,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from astraflow.placement import placement_overrides  # noqa: E402  (after sys.path gets the repository)
 CONFIG = ROOT / "examples" / "solver-verifier-tiny.yaml"
 CHECKPOINT_EVERY = 4  # trainer steps
 AHEAD = 3  # iterations in flight (both policies' groups, the ones in training included): RaaS backpressure
@@ -112,7 +114,7 @@ def two_core_bound(stages: dict[str, float], workers: int, cores: int = 2) -> fl
     return max(work / cores, stages["rollout"] / workers, stages["train.solver"], stages["train.verifier"])
 
 
-def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s: float,
+def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s: float, place: list[str],
                         first: int = 2) -> tuple[float, float]:
     """The pipeline's steady-state seconds per iteration and the run's whole wall time (seconds).
 
@@ -123,7 +125,8 @@ def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s:
     with tempfile.TemporaryDirectory(prefix="bench-mp-") as tmp:
         run_dir = Path(tmp) / run
         overrides = [f"run={run}", f"run_dir={run_dir}", f"data.n_samples={g}", f"raas.batch_prompts={batch}",
-                     f"raas.max_inflight_groups={2 * AHEAD * batch}", "data.epochs=1", f"raas.workers={workers}"]
+                     f"raas.max_inflight_groups={2 * AHEAD * batch}", "data.epochs=1", f"raas.workers={workers}",
+                     *placement_overrides(place)]
         for p in ("solver", "verifier"):
             overrides += [f"policies.{p}.steps={iters}", f"policies.{p}.batch_groups={batch}",
                           f"policies.{p}.checkpoint_every={CHECKPOINT_EVERY}"]
@@ -168,12 +171,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="torch thread counts tried for the sequential loop; the fastest is the baseline")
     ap.add_argument("--raas-workers", type=int, default=2, help="RaaS worker processes of the pipeline")
+    ap.add_argument("--place", action="append", default=[], metavar="KIND=CPUS[:THREADS]",
+                    help="the pipeline's placement, e.g. --place trainer=0 --place raas=1 (default: the OS "
+                         "schedules its processes, 1 thread each)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="limit of one pipeline run")
     a = ap.parse_args()
     iters, batch, g = (8, 8, 8) if a.quick else (16, 16, 8)
     print(f"workload: solve_verify_retry on arith, tiny solver + tiny verifier, {iters} iterations of "
           f"{batch} prompts x G={g}; {os.cpu_count()} cores; sequential loop {a.threads} threads (best), "
-          f"pipeline {a.raas_workers} RaaS worker(s), 1 thread per process", flush=True)
+          f"pipeline {a.raas_workers} RaaS worker(s), 1 thread per process, placement: "
+          f"{', '.join(a.place) or 'none (the OS schedules)'}", flush=True)
     seq, pipe, bounds = [], [], []
     for r in range(a.repeats):
         tried = {}
@@ -184,7 +191,7 @@ def main() -> None:
             if t == 1:  # the pipeline's processes run one thread each: their stages cost what these do
                 bounds.append(two_core_bound(stages, a.raas_workers))
         seq.append(min(tried.values()))
-        value, wall = pipeline_s_per_iter(iters, batch, g, a.raas_workers, a.timeout_s)
+        value, wall = pipeline_s_per_iter(iters, batch, g, a.raas_workers, a.timeout_s, a.place)
         pipe.append(value)
         print(f"[{r}] dataflow pipeline:            {value:.3f} s/iter (whole run incl. start-up {wall:.1f} s)",
               flush=True)
@@ -197,7 +204,7 @@ def main() -> None:
         print(f"2-core bound: {bound:.3f} s/iter (max(stage sum / 2, largest stage), stages of the 1-thread "
               f"loop); the pipeline's efficiency {bound / value:.2f} of it", flush=True)
     print(json.dumps({"metric": "multipolicy_s_per_iter", "value": round(value, 4), "baseline": round(baseline, 4),
-                      "ratio": round(baseline / value, 3),
+                      "ratio": round(baseline / value, 3), "placement": a.place,
                       "bound": None if bound is None else round(bound, 4),
                       "efficiency": None if bound is None else round(bound / value, 3)}))
 

@@ -25,7 +25,7 @@ second), the curves as one PNG (``--png``), and a last JSON line ``{"metric": "t
 "ours": s, "baseline": s, "ratio": ours / baseline, ...}``.
 
 Usage: ``scripts/bench_vs_trl.py [--quick] [--steps N] [--repeats N] [--cpus 0,1] [--png PATH]
-[--set KEY=VALUE ...]``; ``--quick``: 200 steps, one repetition (~2 minutes on 2 quiet cores).
+[--set KEY=VALUE ...] [--place KIND=CPUS[:THREADS] ...]``; ``--quick``: 200 steps, one repetition (~2 minutes on 2 quiet cores).
 """
 from __future__ import annotations
 
@@ -179,6 +179,9 @@ def main() -> None:
     ap.add_argument("--cpus", default=None, help="CPU ids both systems get (default: all this process may use)")
     ap.add_argument("--png", type=Path, default=ROOT / "docs" / "vs_trl.png")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for our run")
+    ap.add_argument("--place", action="append", default=[], metavar="KIND=CPUS[:THREADS]",
+                    help="our placement, e.g. --place trainer=0:1 --place raas=1 (default: the OS schedules our "
+                         "processes on --cpus, 1 thread each)")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -187,12 +190,16 @@ def main() -> None:
         trl_worker(steps, args.seed, args.trl_worker, float(os.environ["ASTRAFLOW_BENCH_T0"]))
         return
     repeats = args.repeats or (1 if args.quick else 2)
+    from astraflow.placement import placement_overrides
+
+    ours_overrides = [*args.set, *placement_overrides(args.place)]
+    placement = ", ".join(args.place) or "none (the OS schedules every process on the cpus, 1 thread each)"
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
     runs: dict[str, list[list[dict]]] = {"TRL GRPOTrainer": [], "AstraFlow": []}
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
         for r in range(repeats):
             for name, fn in (("TRL GRPOTrainer", lambda: run_trl(steps, r, cpus, Path(tmp))),
-                             ("AstraFlow", lambda: run_ours(steps, r, cpus, args.set, Path(tmp)))):
+                             ("AstraFlow", lambda: run_ours(steps, r, cpus, ours_overrides, Path(tmp)))):
                 rows = fn()
                 runs[name].append(rows)
                 first, last = fifth_means(rows)
@@ -200,7 +207,8 @@ def main() -> None:
                       f"{last:.3f} ({last - first:+.3f})", flush=True)
     threshold = statistics.fmean(fifth_means(rows)[1] for rows in runs["TRL GRPOTrainer"])
     equal_t = statistics.fmean(rows[-1]["t"] for rows in runs["TRL GRPOTrainer"])
-    print(f"\narith-tiny, {steps} steps, {repeats} repetition(s), cpus {cpus}; threshold {threshold:.3f} "
+    print(f"\narith-tiny, {steps} steps, {repeats} repetition(s), cpus {cpus}, our placement: {placement}; "
+          f"threshold {threshold:.3f} "
           f"(TRL's last-20% reward), equal time {equal_t:.1f} s (TRL's whole run)")
     print("| system | wall time (s) | steps/s | reward first 20% -> last 20% | time to threshold (s) "
           f"| reward at {equal_t:.0f} s |")
@@ -228,6 +236,7 @@ def main() -> None:
     print(json.dumps({"metric": "time_to_reward_vs_trl", "ours": ours, "baseline": base,
                       "ratio": None if ours is None or not base else round(ours / base, 3),
                       "threshold": round(threshold, 4), "steps": steps, "repeats": repeats, "cpus": cpus,
+                      "placement": args.place,
                       "systems": summary}))
 
 

@@ -1,0 +1,59 @@
+"""Placement: ``astraflow run`` gives each kind of component its CPUs and thread count (``placement:``); a
+component started so pins itself before it starts threads, and a placement on CPUs this machine lacks is
+refused before anything starts."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from astraflow.config import ConfigError, load_config
+from astraflow.launcher import Launcher
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config(tmp_path, *overrides):
+    return load_config(ROOT / "examples" / "arith-tiny.yaml", [f"run_dir={tmp_path / 'run'}", *overrides])
+
+
+def test_a_placement_on_cpus_this_machine_lacks_is_refused_before_anything_starts(tmp_path):
+    bad = max(os.sched_getaffinity(0)) + 1
+    done = subprocess.run([sys.executable, "-m", "astraflow", "run", "examples/arith-tiny.yaml",
+                           f"run_dir={tmp_path / 'run'}", f"placement.trainer.cpus=[{bad}]"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"placement.trainer.cpus: CPUs [{bad}] are not available here" in done.stderr
+    assert not (tmp_path / "run").exists()  # refused before the bus folder or any process
+    with pytest.raises(ConfigError, match="threads"):
+        _config(tmp_path, "placement.raas.threads=0")
+    with pytest.raises(ConfigError, match="placement.gpu"):
+        _config(tmp_path, "placement.gpu.cpus=[0]")
+
+
+def test_the_launcher_starts_a_component_pinned_to_its_cpus_with_its_threads(tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    cfg = _config(tmp_path, f"placement.controller.cpus=[{cpu}]", "placement.controller.threads=1")
+    (tmp_path / "run").mkdir()
+    launcher = Launcher(cfg, ROOT / "examples" / "arith-tiny.yaml", [f"run_dir={tmp_path / 'run'}"])
+    comp = next(c for c in launcher.components if c.kind == "acquire")  # any component: the controller's command
+    comp.name, comp.log = "controller", tmp_path / "controller.log"
+    comp.argv = [sys.executable, "-m", "astraflow", "controller", str(ROOT / "examples" / "arith-tiny.yaml"),
+                 f"run_dir={tmp_path / 'run'}"]
+    launcher._start(comp)
+    try:
+        deadline = time.monotonic() + 90
+        while "controller on cpus" not in (comp.log.read_text() if comp.log.exists() else ""):
+            assert comp.proc.poll() is None and time.monotonic() < deadline, comp.log.read_text()
+            time.sleep(0.2)
+        assert f"controller on cpus [{cpu}], 1 thread(s)" in comp.log.read_text()
+        status = Path(f"/proc/{comp.proc.pid}/status").read_text()
+        assert f"Cpus_allowed_list:\t{cpu}\n" in status
+        environ = Path(f"/proc/{comp.proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"OMP_NUM_THREADS=1" in environ
+    finally:
+        comp.proc.send_signal(signal.SIGTERM)
+        assert comp.proc.wait(60) == 0
