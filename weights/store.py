@@ -33,6 +33,12 @@ FILENAMES: dict[str, str] = {"delta": "delta.zst", "full": "full.safetensors"}
 #: long, then raises: an unreachable store shows up as a failed publish or pull (retried by the caller)
 #: within seconds, not after obstore's default of 3 minutes.
 RETRY_TIMEOUT_S = 20.0
+#: An S3 request fails when no byte arrives for this long (a stalled connection; retried as above) ...
+STALL_TIMEOUT_S = 30.0
+#: ... or when it has not finished after this long. obstore's default, 30 s for the whole request, cut off every
+#: object that takes longer to arrive: a 7B full snapshot (14 GB) crossing a 4 Gbit/s link between regions takes 28 s,
+#: and each retry started over (scripts/bench_crossregion.py).
+REQUEST_TIMEOUT_S = 3600.0
 _KEY = re.compile(r"^(?P<policy>[^/]+)/(?P<version>\d{8})/(?P<file>delta\.zst|full\.safetensors)$")
 
 
@@ -101,7 +107,10 @@ class WeightStore:
             else:
                 endpoint = (options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3")
                             or os.environ.get("AWS_ENDPOINT_URL") or "")
-                client = {"allow_http": True} if str(endpoint).startswith("http://") else None
+                client: dict[str, Any] = {"read_timeout": timedelta(seconds=STALL_TIMEOUT_S),
+                                          "timeout": timedelta(seconds=REQUEST_TIMEOUT_S)}
+                if str(endpoint).startswith("http://"):
+                    client["allow_http"] = True
                 self._store = from_url(uri, config=options or None, client_options=client,
                                        credential_provider=_profile_credentials(options),
                                        retry_config={"retry_timeout": timedelta(seconds=RETRY_TIMEOUT_S)})
