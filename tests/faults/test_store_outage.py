@@ -19,8 +19,8 @@ STEPS = 30
 
 
 class StorePath:
-    """``tcp_proxy.py`` from a fixed local port to the S3 server: :meth:`cut` kills it, :meth:`restore`
-    starts it again on the same port."""
+    """``scripts/latency_proxy.py`` (no added latency) from a fixed local port to the S3 server: :meth:`cut`
+    kills it (new connections refused, open ones cut), :meth:`restore` starts it again on the same port."""
 
     def __init__(self, target_port: int):
         with socket.socket() as s:
@@ -29,8 +29,9 @@ class StorePath:
         self.target_port, self.proc = target_port, None
 
     def restore(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("tcp_proxy.py")), str(self.port),
-                                      str(self.target_port)], stdout=subprocess.PIPE, text=True)
+        proxy = Path(__file__).resolve().parents[2] / "scripts" / "latency_proxy.py"
+        self.proc = subprocess.Popen([sys.executable, str(proxy), f"127.0.0.1:{self.port}=127.0.0.1:{self.target_port}"],
+                                     stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "ready"
 
     def cut(self) -> None:
