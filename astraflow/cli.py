@@ -229,12 +229,22 @@ def controller(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES
     reason to `control` (`target_replicas`, key `raas.<workflow>`). `astraflow run` starts it and carries the
     decisions out when `controller.enabled` is set; with `controller.actuator` compose or kubernetes this command
     carries them out itself (docker compose --scale, the Deployment's scale). Runs until SIGTERM."""
+    from astraflow.actuators import ActuatorError, build_actuator
     from astraflow.controller import run_controller
     from topics.bus import connect
 
     cfg = _load(config, overrides)
+    try:  # the actuator's credentials or compose file, before anything starts (run_controller builds its own)
+        build_actuator(cfg.controller)
+    except (ActuatorError, ValueError) as e:
+        typer.echo(f"invalid controller config {config}: {e}", err=True)
+        raise typer.Exit(2)
     stop = _component_setup("controller", cfg)
     run_controller(cfg, connect(cfg.bus, cfg.kafka), stop)
+
+
+#: the highest ``astraflow control throttle --per-minute``: far above any rollout rate, and small enough to encode
+MAX_PER_MINUTE = 1_000_000
 
 
 @app.command()
@@ -242,7 +252,7 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
             config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
             worker: Optional[str] = typer.Option(None, "--worker", help="one RaaS worker (its --worker-id); "
                                                  "default: every worker of the run's workflow"),
-            per_minute: Optional[int] = typer.Option(None, "--per-minute", min=1,
+            per_minute: Optional[int] = typer.Option(None, "--per-minute", min=1, max=MAX_PER_MINUTE,
                                                      help="throttle: prompts a minute per worker, its batches "
                                                           "spaced to that rate (omitted: lift the throttle)"),
             reason: Optional[str] = typer.Option(None, "--reason", help="why, kept with the command")) -> None:
@@ -272,7 +282,10 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
     names = TopicNames(cfg.run)
     try:
         bus = connect(cfg.bus, cfg.kafka)
-        bus.admin().ensure_run_topics(names, list(cfg.policies))
+        admin = bus.admin()
+        started = names.control in admin.list_topics()
+        members = admin.group_members(names.raas_group(cfg.workflow.name)) if started and worker is not None else {}
+        admin.ensure_run_topics(names, list(cfg.policies))
         producer = bus.producer()
         producer.send(names.control, encode(msg), key=msg.key(), headers=headers_for(msg))
         producer.flush()
@@ -280,7 +293,19 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
     except BusError as e:
         typer.echo(f"cannot send the command on bus {cfg.bus}: {e}", err=True)
         raise typer.Exit(1)
-    typer.echo(f"{component}: {action}" + (f" {per_minute} prompts/min" if per_minute else ""))
+    typer.echo(f"{component}: {action}" + (f" {per_minute} prompts/min" if per_minute
+                                           else " lifted" if action == "throttle" else ""))
+    # A command is kept for workers (and runs) that start later, so these are warnings, not errors: they catch
+    # a mistyped run= or --worker, whose command would otherwise wait silently for a run or worker that never comes.
+    if not started:
+        typer.echo(f"warning: run {cfg.run!r} has no topics on bus {cfg.bus} yet (no such run, or not started): "
+                   f"the command is kept for when it starts", err=True)
+    elif worker is not None:
+        # member ids: "<instance id> <member id>" on Kafka, "<client id>-<host>-<pid>-<hex>" on the embedded bus
+        ids = sorted(m.split(" ")[0] if " " in m else m for m in members)
+        if not any(i == f"raas-{worker}" or i.startswith(f"raas-{worker}-") for i in ids):
+            typer.echo(f"warning: --worker {worker}: no worker raas-{worker} is in the run's RaaS group now "
+                       f"(members: {', '.join(ids) or 'none'}): the command is kept for when it starts", err=True)
 
 
 @app.command()

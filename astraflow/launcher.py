@@ -241,11 +241,13 @@ def plot_rewards(views: dict, path: Path) -> None:
 def preflight(cfg: RunConfig) -> None:
     """Check what the config names before any process starts: the workflow and its options, the data
     sources, each policy's filter chain, serving policies and model directory, the packages of the
-    tracking sinks, and the placement's CPUs (the bus is checked by the caller).
+    tracking sinks, the placement's CPUs, and the scaling controller's actuator (its compose file or Kubernetes
+    credentials; the bus is checked by the caller).
 
     Raises:
         KeyError, ValueError, TypeError: an unknown workflow, role, option or filter (the message lists the known ones);
-            a placement on CPUs this machine lacks (:class:`~astraflow.config.ConfigError`, a ValueError).
+            a placement on CPUs this machine lacks (:class:`~astraflow.config.ConfigError`, a ValueError); a
+            controller's compose file that does not exist, or no Kubernetes credentials for it.
         producers.sources.SourceError: a data source that is neither built in nor a readable dataset.
         FileNotFoundError: a model directory that does not exist.
         astraflow.tracker.TrackingUnavailable: a tracking sink is set and its package is not installed.
@@ -271,6 +273,13 @@ def preflight(cfg: RunConfig) -> None:
         if pc.model != "tiny":
             resolve_model(pc.model)
     require_packages(cfg.tracking)
+    if cfg.controller.enabled:  # the controller's actuator: its compose file, or Kubernetes credentials
+        from astraflow.actuators import ActuatorError, build_actuator
+
+        try:
+            build_actuator(cfg.controller)
+        except ActuatorError as e:
+            raise ValueError(str(e)) from None
 
 
 class Launcher:

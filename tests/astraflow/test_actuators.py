@@ -259,3 +259,34 @@ def test_the_config_builds_the_chosen_actuator_with_its_fields(tmp_path, api):
 def test_the_config_refuses_an_actuator_without_its_fields_or_with_anothers(tmp_path, overrides, error):
     with pytest.raises(ConfigError, match=error.replace("(", r"\(").replace(")", r"\)")):
         config(tmp_path, *overrides)
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["controller.actuator=kubernetes", "controller.k8s_deployment=raas"],
+     "no Kubernetes credentials for controller.k8s_deployment raas"),
+    (["controller.actuator=compose"], "controller.compose_file {missing} does not exist"),
+])
+@pytest.mark.parametrize("command", ["controller", "run"])
+def test_a_controller_without_kubernetes_credentials_or_compose_file_is_refused_in_one_line(
+        tmp_path, monkeypatch, overrides, error, command):
+    """``astraflow controller`` (and ``astraflow run`` with the controller enabled) with actuator kubernetes and
+    no kubeconfig, or compose with a compose file that does not exist, exits 2 with one line naming the field,
+    before anything starts: no traceback, no topics."""
+    from typer.testing import CliRunner
+
+    from astraflow.cli import app
+
+    missing = tmp_path / "missing-compose.yml"
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config either
+    args = [command, "examples/arith-tiny.yaml", f"run_dir={tmp_path / 'run'}", f"bus=local://{tmp_path / 'bus'}",
+            *overrides]
+    if "controller.actuator=compose" in overrides:
+        args.append(f"controller.compose_file={missing}")
+    if command == "run":
+        args.append("controller.enabled=true")
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert error.format(missing=missing) in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "bus").exists()  # nothing started

@@ -115,6 +115,10 @@ def test_bad_commands_are_refused_naming_the_field(tmp_path, bus_url, tiny_model
     assert bad.exit_code == 2 and "--per-minute is for throttle, not pause" in bad.output
     bad = runner.invoke(app, ["control", "throttle", str(path), "--per-minute", "0"])
     assert bad.exit_code == 2 and "--per-minute" in bad.output
+    # too large to encode: refused by name, not a msgpack traceback
+    bad = runner.invoke(app, ["control", "throttle", str(path), "--per-minute", "99999999999999999999"])
+    assert bad.exit_code == 2 and "--per-minute" in bad.output and "Traceback" not in bad.output
+    assert runner.invoke(app, ["control", "throttle", str(path), "--per-minute", "1000000"]).exit_code == 0
     with pytest.raises(ValueError, match="pause takes no value"):
         Control(component="raas.x", action="pause", value=3)
     with pytest.raises(ValueError, match="target_replicas needs a value of at least 1"):
@@ -122,3 +126,30 @@ def test_bad_commands_are_refused_naming_the_field(tmp_path, bus_url, tiny_model
     assert Control(component="raas.x/raas-0", action="resume").key() == "raas.x/raas-0:pause"
     assert Control(component="raas.x", action="throttle", value=5).key() == "raas.x:throttle"
     assert Control(component="raas.x", action="target_replicas", value=2).key() == "raas.x"
+
+
+@pytest.mark.parametrize("bus_url", ["local"], indirect=True)
+def test_a_command_for_a_run_or_worker_not_there_is_kept_with_a_warning(tmp_path, bus_url, tiny_model_dir):
+    """A command is kept for a run or worker that starts later, but a mistyped ``run=`` or ``--worker`` must not
+    wait silently: the command says that no such run has topics yet, or that no such worker is in the group."""
+    path = _config(tmp_path, bus_url, tiny_model_dir)
+    runner = CliRunner()
+    result = runner.invoke(app, ["control", "pause", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "warning: run 'cc" in result.output and "has no topics" in result.output
+    assert "kept for when it starts" in result.output
+    cfg = load_config(path)
+    bus = connect(cfg.bus, cfg.kafka)
+    worker = RaasWorker(cfg, 0, bus)
+    try:
+        worker.step()  # joins the group
+        result = runner.invoke(app, ["control", "throttle", str(path), "--worker", "42", "--per-minute", "5"])
+        assert result.exit_code == 0, result.output
+        assert "warning: --worker 42: no worker raas-42 is in the run's RaaS group now (members: raas-0" \
+            in result.output
+        result = runner.invoke(app, ["control", "resume", str(path), "--worker", "0"])
+        assert result.exit_code == 0 and "warning" not in result.output, result.output
+        result = runner.invoke(app, ["control", "throttle", str(path)])
+        assert result.exit_code == 0 and "raas.single_turn: throttle lifted" in result.output, result.output
+    finally:
+        worker.close()
