@@ -8,7 +8,7 @@ RaaS workers and the evaluation. Every component command (``astraflow run``,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -227,8 +227,8 @@ class TrackingConfig(_Strict):
 class Placement(_Strict):
     """Where one kind of component runs on the launcher's machine, as one would give it GPUs."""
 
-    cpus: list[int] | None = Field(default=None, min_length=1,
-                                   description="CPU ids it may run on (sched_setaffinity); default: any")
+    cpus: list[Annotated[int, Field(strict=True, ge=0)]] | None = Field(
+        default=None, min_length=1, description="CPU ids it may run on (sched_setaffinity); default: any")
     threads: int | None = Field(default=None, ge=1, description="its torch / OpenMP threads (OMP_NUM_THREADS); "
                                 "default: the launcher's OMP_NUM_THREADS, else 1")
 

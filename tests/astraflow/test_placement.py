@@ -32,6 +32,16 @@ def test_a_placement_on_cpus_this_machine_lacks_is_refused_before_anything_start
         _config(tmp_path, "placement.raas.threads=0")
     with pytest.raises(ConfigError, match="placement.gpu"):
         _config(tmp_path, "placement.gpu.cpus=[0]")
+    # CPU ids are ints >= 0: no bool, float or string read as one, no negative id
+    for cpus, error in (("[-1]", "placement.trainer.cpus.0: Input should be greater than or equal to 0"),
+                        ("[true]", "placement.trainer.cpus.0: Input should be a valid integer"),
+                        ("[1.0]", "placement.trainer.cpus.0: Input should be a valid integer"),
+                        ("['0']", "placement.trainer.cpus.0: Input should be a valid integer"),
+                        ("[]", "placement.trainer.cpus: List should have at least 1 item"),
+                        ("0", "placement.trainer.cpus: Input should be a valid list")):
+        with pytest.raises(ConfigError, match=error.replace("[", r"\[").replace(".", r"\.")):
+            _config(tmp_path, f"placement.trainer.cpus={cpus}")
+    assert _config(tmp_path, "placement.trainer.cpus=[0]").placement.trainer.cpus == [0]
 
 
 def test_the_launcher_starts_a_component_pinned_to_its_cpus_with_its_threads(tmp_path):
