@@ -20,7 +20,8 @@ from trainer.model import DTYPES, load_causal_lm, resolve_device, token_logprobs
 
 class WeightPublisher(Protocol):
     """Anything with ``publish(state_dict, version, samples_consumed)``, ``durable_version`` (the
-    newest version stored and announced, None before any) and ``errors`` (failed publishes), e.g.
+    newest version stored and announced, None before any), ``errors`` (failed publishes) and
+    ``last_publish`` (figures of the newest version published, reported with each step), e.g.
     ``weights.publisher.Publisher``."""
 
     def publish(self, state_dict: dict[str, torch.Tensor], version: int,
@@ -30,6 +31,7 @@ class WeightPublisher(Protocol):
     def durable_version(self) -> int | None: ...
 
     errors: list[BaseException]
+    last_publish: dict[str, float]
 
 
 class Trainer:
@@ -171,7 +173,9 @@ class Trainer:
             update), behaviour_kl (KL(π_behaviour || π_θ) per generated token before the update, Schulman's
             k3 estimator r - 1 - log r with r = π_θ/π_behaviour: http://joschu.net/blog/kl-approx.html), tokens (generated, count), tokens_per_s, step_s, wait_s, wait_frac,
             publish_wait_s (seconds the step waited for the publisher: its one copy of the weights to host
-            memory; encoding and upload run in its background thread), groups, samples, version.
+            memory; encoding and upload run in its background thread), groups, samples, version, and once a
+            version is published, the publisher's ``last_publish`` figures (publish_bytes, publish_s,
+            published_version).
 
         Raises:
             ValueError: ``groups`` is empty or malformed (see :func:`trainer.batch.pack_groups`).
@@ -274,6 +278,8 @@ class Trainer:
         }
         for k, count in Counter(staleness).items():
             metrics[f"staleness_hist/{k}"] = float(count)
+        if self.publisher is not None:
+            metrics.update(self.publisher.last_publish)  # publish_bytes, publish_s of the newest published
         return metrics
 
     def _reduce_metrics(self, sums: Counter, is_min: float, is_max: float) -> tuple[float, float]:

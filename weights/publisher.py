@@ -71,6 +71,9 @@ class Publisher:
 
     Attributes:
         announcements: the last 1,000 announcements made, in order.
+        last_publish: the newest version published, as figures for ``metrics``: ``publish_bytes`` (the object
+            stored, bytes), ``publish_s`` (seconds to encode, store and announce it, in the background) and
+            ``published_version``; empty before the first.
         errors: exceptions raised by background publishes (uploads are retried
             ``attempts`` times first). A failed version is retried with back-off
             (2 s doubling, at most 30 s) until it succeeds or a newer version
@@ -100,6 +103,7 @@ class Publisher:
         self._dense_streak = 0  # versions in a row whose delta was not sparse enough
         self._skip_deltas = 0  # versions left to publish full without trying a delta (rule 2)
         self._closing = False
+        self.last_publish: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name=f"publisher-{policy}", daemon=True)
         self._thread.start()
 
@@ -236,6 +240,7 @@ class Publisher:
                 self.store.put(key, data)
 
     def _publish_one(self, version: int, buf: Buffer, samples_consumed: int | None) -> str:
+        started = time.perf_counter()
         full_bytes = sum(t.numel() * t.element_size() for t in buf.values())
         delta, reason = None, "first version"
         if self._base is not None and self._skip_deltas > 0:
@@ -288,6 +293,8 @@ class Publisher:
         self.announcements.append(ann)
         del self.announcements[:-1000]  # a long run announces once per step
         log.info("publisher %s: version %d %s %d B (%s)", self.policy, version, kind, size, reason)
+        self.last_publish = {"publish_bytes": float(size), "publish_s": time.perf_counter() - started,
+                             "published_version": float(version)}
         if self.keep_versions:
             self.store.retain(self.policy, self.keep_versions)
         return sha

@@ -16,6 +16,7 @@ torch.set_num_threads(1)
 class RecordingPublisher:
     def __init__(self):
         self.calls = []
+        self.last_publish = {}
 
     def publish(self, state_dict, version, samples_consumed=None):
         self.calls.append((version, {k: v.dtype for k, v in state_dict.items()}))
@@ -182,4 +183,9 @@ def test_a_version_is_copied_to_host_once_and_the_step_waits_only_for_that_copy(
     assert 0 < m["publish_wait_s"] < m["step_s"]
     assert publisher.wait(30) and not publisher.errors
     assert 1 in store.versions("p")
+    # the next step reports the newest version published: 1 (or 2, if its background publish won the race)
+    m = trainer.train_step([make_group([1.0, 0.0], seed=2, gen_len=2), make_group([0.0, 1.0], seed=3, gen_len=2)])
+    assert publisher.wait(30) and m["published_version"] in (1.0, 2.0) and m["publish_s"] > 0
+    sizes = {a.version: a.bytes for a in publisher.announcements}
+    assert m["publish_bytes"] == sizes[int(m["published_version"])] > 0
     publisher.close()
