@@ -8,6 +8,7 @@ overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
 import json
 import logging
 import os
+import re
 import signal
 import threading
 from pathlib import Path
@@ -113,6 +114,10 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     logging.getLogger("astraflow").info("acquisition done: %d prompts sent", sent)
 
 
+#: what a RaaS worker's --worker-id may be (it names the worker raas-<id>)
+WORKER_ID = r"[A-Za-z0-9._-]{1,64}"
+
+
 @app.command()
 def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
          worker_id: str = typer.Option("0", "--worker-id",
@@ -120,11 +125,9 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
                                             "e.g. a number or the container's hostname")) -> None:
     """Run one rollout worker: join the `raas.<workflow>` consumer group on `prompts`, roll out,
     write groups to `trajectories.<policy>`. Start more to scale out; SIGTERM stops it cleanly."""
-    import re
-
     from producers.raas import RaasWorker
 
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", worker_id):
+    if not re.fullmatch(WORKER_ID, worker_id):
         typer.echo(f"--worker-id {worker_id!r}: use 1-64 letters, digits, '.', '_' or '-'", err=True)
         raise typer.Exit(2)
     cfg = _load(config, overrides)
@@ -272,6 +275,9 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
     if per_minute is not None and action != "throttle":
         typer.echo(f"--per-minute is for throttle, not {action}", err=True)
         raise typer.Exit(2)
+    if worker is not None and not re.fullmatch(WORKER_ID, worker):
+        typer.echo(f"--worker {worker!r}: a worker's --worker-id, 1-64 letters, digits, '.', '_' or '-'", err=True)
+        raise typer.Exit(2)
     cfg = _load(config, overrides)
     component = f"raas.{cfg.workflow.name}" + (f"/raas-{worker}" if worker is not None else "")
     try:
@@ -304,8 +310,9 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
         # member ids: "<instance id> <member id>" on Kafka, "<client id>-<host>-<pid>-<hex>" on the embedded bus
         ids = sorted(m.split(" ")[0] if " " in m else m for m in members)
         if not any(i == f"raas-{worker}" or i.startswith(f"raas-{worker}-") for i in ids):
+            hint = f" (--worker takes the --worker-id: {worker[5:]} for {worker})" if worker.startswith("raas-") else ""
             typer.echo(f"warning: --worker {worker}: no worker raas-{worker} is in the run's RaaS group now "
-                       f"(members: {', '.join(ids) or 'none'}): the command is kept for when it starts", err=True)
+                       f"(members: {', '.join(ids) or 'none'}){hint}: the command is kept for when it starts", err=True)
 
 
 @app.command()

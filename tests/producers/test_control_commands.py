@@ -119,6 +119,9 @@ def test_bad_commands_are_refused_naming_the_field(tmp_path, bus_url, tiny_model
     bad = runner.invoke(app, ["control", "throttle", str(path), "--per-minute", "99999999999999999999"])
     assert bad.exit_code == 2 and "--per-minute" in bad.output and "Traceback" not in bad.output
     assert runner.invoke(app, ["control", "throttle", str(path), "--per-minute", "1000000"]).exit_code == 0
+    for worker in ("", "a/b", "0 1", "x" * 65):  # no worker can have this --worker-id
+        bad = runner.invoke(app, ["control", "pause", str(path), "--worker", worker])
+        assert bad.exit_code == 2 and f"--worker {worker!r}: a worker's --worker-id" in bad.output, bad.output
     with pytest.raises(ValueError, match="pause takes no value"):
         Control(component="raas.x", action="pause", value=3)
     with pytest.raises(ValueError, match="target_replicas needs a value of at least 1"):
@@ -147,6 +150,8 @@ def test_a_command_for_a_run_or_worker_not_there_is_kept_with_a_warning(tmp_path
         assert result.exit_code == 0, result.output
         assert "warning: --worker 42: no worker raas-42 is in the run's RaaS group now (members: raas-0" \
             in result.output
+        result = runner.invoke(app, ["control", "resume", str(path), "--worker", "raas-0"])  # the name, not the id
+        assert result.exit_code == 0 and "(--worker takes the --worker-id: 0 for raas-0)" in result.output
         result = runner.invoke(app, ["control", "resume", str(path), "--worker", "0"])
         assert result.exit_code == 0 and "warning" not in result.output, result.output
         result = runner.invoke(app, ["control", "throttle", str(path)])
