@@ -502,7 +502,8 @@ class Launcher:
 
     def _watchdog(self, monitor: RunMonitor) -> None:
         """Print one line per ``watchdog_s`` for each unfinished trainer whose version has not moved,
-        naming what it waits for: its backlog, its filter's, and paused RaaS workers."""
+        naming what it waits for: its backlog, its filter's, and RaaS workers paused by backpressure or held by
+        an operator's pause or throttle (`astraflow control`)."""
         now = time.monotonic()
         for p, view in monitor.views.items():
             trainer = next(c for c in self.components if c.name == f"trainer.{p}")
@@ -518,11 +519,13 @@ class Launcher:
             lags = monitor.lags()
             samples = lags.get((self.names.trainer_group(p), self.names.samples(p)))
             filtered = lags.get((self.names.filter_group(p), self.names.trajectories(p)))
-            paused = monitor.paused_workers()
+            paused, controlled = monitor.paused_workers(), monitor.controlled_workers()
+            held = "; ".join(([f"paused: {', '.join(paused)} (reason in their logs)"] if paused else [])
+                             + ([f"held by astraflow control: "
+                                 f"{', '.join(f'{w} ({how})' for w, how in controlled.items())}"] if controlled else []))
             console.print(f"[bold yellow]watchdog: trainer.{p} has been at version {version} for {now - since:.0f} s;"
                           f"[/] samples.{p} lag {samples} (committed), trajectories.{p} lag {filtered}; "
-                          + (f"paused: {', '.join(paused)} (reason in their logs)" if paused
-                             else "no RaaS worker reports a pause"))
+                          + (held or "no RaaS worker reports a pause"))
 
     def _publish_alerts(self, monitor: RunMonitor) -> None:
         """One console line when a trainer's weight publishes start failing (or fail again), and one when

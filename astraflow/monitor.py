@@ -173,6 +173,15 @@ class RunMonitor:
         return sorted(c for c, m in self.components.items()
                       if m.kind == "raas" and m.values.get("paused") and now - m.ts <= window_s)
 
+    def controlled_workers(self, window_s: float = 30.0) -> dict[str, str]:
+        """RaaS workers whose latest metric (within ``window_s`` seconds) says an operator's ``astraflow control``
+        holds them: worker -> ``"paused"`` or ``"throttled"`` (``paused`` above is backpressure alone)."""
+        now = time.time()
+        return {c: "paused" if m.values.get("paused_by_control") else "throttled"
+                for c, m in sorted(self.components.items())
+                if m.kind == "raas" and now - m.ts <= window_s
+                and (m.values.get("paused_by_control") or m.values.get("throttled"))}
+
     def snapshot(self) -> dict:
         """The monitor's figures as plain data (``astraflow status --json``)."""
         return {

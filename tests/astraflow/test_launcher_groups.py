@@ -44,3 +44,49 @@ def test_the_children_of_a_dead_component_are_killed_before_its_restart(tmp_path
         assert time.monotonic() < deadline, f"children {children} outlived their component"
         time.sleep(0.05)
     assert comp.restart_at is not None and comp.restarts == 1
+
+
+def test_the_watchdog_names_workers_held_by_an_operators_pause_or_throttle(tmp_path, monkeypatch):
+    """A trainer stalled because ``astraflow control`` paused or throttled the workers: the watchdog line names
+    them (it said "no RaaS worker reports a pause", since ``paused`` is backpressure alone)."""
+    import io
+
+    from rich.console import Console
+
+    import astraflow.launcher as launcher_mod
+    from astraflow.monitor import RunMonitor
+    from topics.bus import connect
+    from topics.codec import encode, headers_for
+    from topics.names import TopicNames
+    from topics.schemas import Metric
+
+    example = ROOT / "examples" / "arith-tiny.yaml"
+    cfg = load_config(example, [f"run_dir={tmp_path}", f"bus=local://{tmp_path / 'bus'}", "watchdog_s=1"])
+    bus, names = connect(cfg.bus), TopicNames(cfg.run)
+    bus.admin().ensure_run_topics(names, list(cfg.policies))
+    producer = bus.producer()
+    for worker, values in (("raas-0", {"paused": 0.0, "paused_by_control": 1.0, "throttled": 0.0}),
+                           ("raas-1", {"paused": 1.0, "paused_by_control": 0.0, "throttled": 1.0}),
+                           ("raas-2", {"paused": 0.0, "paused_by_control": 0.0, "throttled": 0.0})):
+        m = Metric(component=worker, kind="raas", values=values)
+        producer.send(names.metrics, encode(m), key=worker, headers=headers_for(m))
+    producer.flush()
+    monitor = RunMonitor(bus, names, list(cfg.policies), cfg.workflow.name)
+    try:
+        deadline = time.monotonic() + 10
+        while len(monitor.components) < 3:
+            assert time.monotonic() < deadline, "the metrics were not read"
+            monitor.poll(0.5)
+        assert monitor.controlled_workers() == {"raas-0": "paused", "raas-1": "throttled"}
+        launcher = Launcher(cfg, example, [])
+        out = io.StringIO()
+        monkeypatch.setattr(launcher_mod, "console", Console(file=out, width=400))
+        launcher._watchdog(monitor)  # the version is seen
+        launcher._stall = {p: (v, s - 5, t - 5) for p, (v, s, t) in launcher._stall.items()}
+        launcher._watchdog(monitor)  # 5 s later, past watchdog_s
+    finally:
+        monitor.close()
+    line = out.getvalue()
+    assert "watchdog: trainer.actor has been at version" in line
+    assert "paused: raas-1 (reason in their logs); held by astraflow control: raas-0 (paused), raas-1 (throttled)" \
+        in line, line
