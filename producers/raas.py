@@ -11,7 +11,8 @@ The workflow derives each ``group_id`` from (prompt_id, epoch, policy, role)
 (:func:`producers.workflows.group_id_for`), so a prompt that is redelivered after
 a crash yields groups with the same ids, which the serving stage de-duplicates.
 
-Between batches it pulls new weights through the Weight Manager's puller.
+New weights are pulled through the Weight Manager's puller in a thread of its own, beside the rollout,
+and handed to the engine between batches (:meth:`RaasWorker.sync_weights`).
 Backpressure: it pauses its ``prompts`` partitions while the in-flight groups
 (filter and trainer lag on ``trajectories.<policy>`` and ``samples.<policy>``)
 exceed ``raas.max_inflight_groups`` (see :meth:`RaasWorker.inflight_groups`), or while its weights are more than
@@ -117,9 +118,9 @@ class RaasWorker:
         self.engines = {p: make_engine(cfg, p) for p in self.policies}
         self.context = {p: context_length(resolve_model(cfg.policies[p].model)) for p in self.policies}
         store = WeightStore(cfg.store, cfg.run)
-        self.pullers = {p: Puller(store, self.bus, self.names, p,
-                                  on_update=lambda state, v, p=p: self.engines[p].load_weights(state, v))
-                        for p in self.policies}
+        self.pullers = {p: Puller(store, self.bus, self.names, p) for p in self.policies}  # sync_weights loads
+        self._pulls: dict[str, threading.Thread] = {}  # policy -> the thread bringing its puller's copy forward
+        self._pull_errors: dict[str, Exception] = {}  # policy -> why its last pull failed
         self.sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens,
                                        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
         self.admin = self.bus.admin()
@@ -140,30 +141,60 @@ class RaasWorker:
 
     # -- weights and backpressure ---------------------------------------------------------
     def sync_weights(self) -> None:
-        """Pull each policy to its newest durable version (announced and in the store); on failure
-        keep the old weights.
+        """Bring each policy's engine towards its newest durable version (announced and in the store),
+        without holding rollout up for the transfer.
 
-        Failures are logged and retried at the next call: the store could not serve the version
-        (:class:`WeightsUnavailable`), or the engine could not load it (:class:`EngineUpdateError`,
-        raised through the puller's ``on_update`` after the puller's own copy moved on; the next call
-        hands that copy to the engine again).
+        A policy's puller is brought forward (download, decode, verify into its host copy) in a thread of
+        its own while this worker rolls out with the weights its engine has; a later call hands the
+        new copy to the engine between batches (:meth:`~producers.engines.Engine.load_weights`), and
+        starts the next pull. Over a slow link (a worker in another region) a pull takes seconds of round
+        trips that generation now overlaps; the staleness rules (:meth:`pause_reason`) still judge the
+        engine's version, the one rolled out. A vLLM server that reads the store itself pulls in this
+        thread, as before.
+
+        Failures are logged and retried at a later call: the store could not serve the version
+        (:class:`WeightsUnavailable`), or the engine could not load it (:class:`EngineUpdateError`; the
+        puller's copy has moved on, and the next call hands it to the engine again).
         """
         for p, puller in self.pullers.items():
             puller.poll()
-            newest = puller.newest_durable()
             engine = self.engines[p]
-            if newest is not None and newest > engine.version:
+            pulling = self._pulls.get(p)
+            if pulling is not None:
+                if pulling.is_alive():
+                    continue  # the host copy is being brought forward: the engine keeps its weights
+                del self._pulls[p]
+                if p in self._pull_errors:
+                    log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p,
+                                self._pull_errors.pop(p))
+            if puller.version is not None and puller.version > engine.version:
                 try:
-                    if engine.pulls_from_store:  # the vLLM server reads the store itself
-                        engine.pull(self.cfg.store, self.cfg.run, p, newest, puller.announced[newest].sha256)
-                        log.info("%s: policy %s now at version %d", self.id, p, engine.version)
-                        continue
-                    puller.sync(newest)
-                    if puller.version is not None and puller.version > engine.version:
-                        engine.load_weights(puller.state, puller.version)  # an earlier load failed
+                    engine.load_weights(puller.state, puller.version)
+                    puller.changed = set()
+                    log.info("%s: policy %s now at version %d", self.id, p, engine.version)
+                except EngineUpdateError as e:
+                    log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p, e)
+            newest = puller.newest_durable()
+            if newest is None or newest <= max(engine.version, puller.version or 0):
+                continue
+            if engine.pulls_from_store:  # the vLLM server reads the store itself
+                try:
+                    engine.pull(self.cfg.store, self.cfg.run, p, newest, puller.announced[newest].sha256)
                     log.info("%s: policy %s now at version %d", self.id, p, engine.version)
                 except (WeightsUnavailable, EngineUpdateError) as e:
                     log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p, e)
+                continue
+            self._pulls[p] = threading.Thread(target=self._pull, args=(p, newest), daemon=True,
+                                              name=f"{self.id}-pull-{p}")
+            self._pulls[p].start()
+
+    def _pull(self, policy: str, version: int) -> None:
+        """The body of a pull thread: bring ``policy``'s puller to ``version``; a failure is kept for
+        :meth:`sync_weights` to log."""
+        try:
+            self.pullers[policy].sync(version)
+        except Exception as e:  # WeightsUnavailable, or anything unexpected: logged by sync_weights, retried
+            self._pull_errors[policy] = e
 
     def inflight_limit(self, policy: str) -> int:
         """Groups of ``policy`` allowed in flight: ``raas.max_inflight_groups`` when set, else

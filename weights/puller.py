@@ -269,8 +269,10 @@ class Puller:
                     self._bad.add(step.obj.key)
                     log.warning("puller %s: %s is corrupt again (%s); excluding it and falling back "
                                 "(full snapshot if the chain is broken)", self.policy, uri, e)
-        # forget announcements older than the loaded version: a long run announces one per step
-        self.announced = {v: a for v, a in self.announced.items() if v >= self.version}
+        # forget announcements older than the loaded version (a long run announces one per step), in place:
+        # a caller may run sync in a thread while it polls announcements into this dict
+        for v in [v for v in list(self.announced) if v < self.version]:
+            self.announced.pop(v, None)
         if self.on_update is not None:
             self.on_update(self.state, self.version)
             self.changed = set()

@@ -293,8 +293,9 @@ def test_a_refused_update_from_disk_keeps_the_old_version(fake, engine, tmp_path
 
 
 def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(tmp_path):
-    """RaasWorker.sync_weights with a real Puller and store: the puller's copy moves on before on_update, so a
-    refused load is handed to the engine again at the next sync instead of leaving it behind for good."""
+    """RaasWorker.sync_weights with a real Puller and store: the puller's copy moves on (in its pull thread)
+    before the engine loads it, so a refused load is handed to the engine again at the next sync instead of
+    leaving it behind for good."""
     from producers.engines import Engine
     from producers.raas import RaasWorker
     from topics.names import TopicNames
@@ -328,9 +329,13 @@ def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(
     pub.close()
     assert not pub.errors
     engine = Flaky()
-    puller = Puller(store, None, names, "actor", on_update=lambda state, v: engine.load_weights(state, v))
+    puller = Puller(store, None, names, "actor")
     puller.newest_durable = lambda ttl_s=2.0: 1
-    worker = SimpleNamespace(id="raas-0", pullers={"actor": puller}, engines={"actor": engine})
+    worker = SimpleNamespace(id="raas-0", pullers={"actor": puller}, engines={"actor": engine}, _pulls={},
+                             _pull_errors={})
+    worker._pull = lambda policy, version: RaasWorker._pull(worker, policy, version)
+    RaasWorker.sync_weights(worker)  # starts the pull
+    worker._pulls["actor"].join(30)
     RaasWorker.sync_weights(worker)  # refused: logged, not raised
     assert (engine.version, puller.version) == (0, 1)
     RaasWorker.sync_weights(worker)
