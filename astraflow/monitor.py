@@ -193,12 +193,14 @@ class RunMonitor:
             "rollout_tokens_per_s": self.rollout_throughput(),
             "lag": {f"{group} {topic}": n for (group, topic), n in self.lags().items()},
             "members": self.members(),
+            "held_by_control": self.controlled_workers(),
             "dead_letters": self.dead_letters,
             "last_dead_letter": self.last_dead_letter,
         }
 
     def table(self, title: str = "") -> Group:
-        """Rich tables: per policy step, version, reward, KL, throughput, staleness; then lag per group."""
+        """Rich tables: per policy step, version, reward, KL, throughput, staleness; then lag per group; then
+        each group's members, with the RaaS workers an operator's pause or throttle holds."""
         t = Table(title=title or f"run {self.names.run}")
         for col in ("policy", "step", "version", "reward", "KL", "train tok/s", "staleness", "publish errors"):
             t.add_column(col, justify="right" if col != "policy" else "left")
@@ -217,11 +219,13 @@ class RunMonitor:
             lag.caption = f"[yellow]{self.dead_letters} dead letter(s) on {self.names.deadletter}; newest: " \
                           f"{self.last_dead_letter}[/]"
         members = Table(title="consumer-group members")
-        for col in ("consumer group", "member", "partitions"):
+        for col in ("consumer group", "member", "partitions", "held by control"):
             members.add_column(col)
+        held = self.controlled_workers()  # astraflow control's pause or throttle, as the workers report it
         for group, owned in self.members().items():
             for member, parts in sorted(owned.items()):
-                members.add_row(group, member, ",".join(map(str, parts)) or "-")
+                members.add_row(group, member, ",".join(map(str, parts)) or "-",
+                                f"[yellow]{held[member]}[/]" if member in held else "")
         return Group(t, lag, members)
 
     def commit(self) -> None:

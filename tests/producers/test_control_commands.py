@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from astraflow.cli import app
 from astraflow.config import load_config
+from astraflow.monitor import RunMonitor
 from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
 from topics.bus import connect
@@ -98,6 +99,15 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
         finally:
             metrics.close()
         assert (held["throttled"], held["paused_by_control"], held["paused"]) == (1.0, 0.0, 0.0)
+        monitor = RunMonitor(bus, names, ["actor"], "single_turn")  # what astraflow status shows
+        try:
+            for _ in range(40):
+                monitor.poll(0.5)
+                if monitor.controlled_workers():
+                    break
+            assert monitor.snapshot()["held_by_control"] == {"raas-0": "throttled"}
+        finally:
+            monitor.close()
         # lifted: the workflow's 600 a minute holds now, a batch of 2 every 0.2 s
         _control(path, "throttle", "--worker", "0", seen_by=(worker,))
         assert steps(worker, 40, until=before + 8) >= before + 8, worker.paused_reason
