@@ -38,8 +38,8 @@ class Observation:
     Attributes:
         now: seconds (monotonic or wall, the same clock for every observation).
         wait_frac: per trainer of the workflow, its newest ``wait_frac`` (0..1).
-        paused: per RaaS worker that reported within the grace period, its newest ``paused`` (0 or 1):
-            held back by backpressure.
+        paused: per RaaS worker that reported within the grace period, the share of its time held back by
+            backpressure (its newest ``paused_frac``, 0..1; ``paused``, 0 or 1, from a worker without it).
         paused_by_control: per such worker, its newest ``paused_by_control`` (0 or 1): an operator's
             ``pause`` on ``control`` holds it. While any is, the controller decides nothing (the trainers starve
             because rollout was paused on purpose; a new worker would be paused too).
@@ -197,7 +197,9 @@ def run_controller(cfg, bus, stop) -> None:
                 if m.kind == "trainer" and m.policy in cfg.policies and "wait_frac" in m.values:
                     wait[m.policy] = m.values["wait_frac"]
                 elif m.kind == "raas" and "paused" in m.values:
-                    paused[m.component] = (m.values["paused"], m.values.get("paused_by_control", 0.0), m.ts)
+                    # the share of its time held back by backpressure (paused_frac), not the instant's paused
+                    held = m.values.get("paused_frac", m.values["paused"])
+                    paused[m.component] = (held, m.values.get("paused_by_control", 0.0), m.ts)
             if time.monotonic() < next_at:
                 continue
             next_at = time.monotonic() + c.interval_s

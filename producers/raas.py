@@ -138,6 +138,8 @@ class RaasWorker:
         self.held_by_control = ""  # "pause" or "throttle" while a command on control holds this worker
         self.totals = {"prompts": 0, "groups": 0, "tokens": 0, "too_long": 0}
         self._last_metric = 0.0
+        self._backpressure_s = 0.0  # seconds held by backpressure since the last metric
+        self._state_since = time.monotonic()  # when paused_reason / held_by_control were last set
 
     # -- weights and backpressure ---------------------------------------------------------
     def sync_weights(self) -> None:
@@ -377,6 +379,10 @@ class RaasWorker:
             Prompts rolled out (0 while paused or idle); dead-lettered ones are not counted.
         """
         self.sync_weights()
+        now = time.monotonic()
+        if self.paused_reason and not self.held_by_control:
+            self._backpressure_s += now - self._state_since
+        self._state_since = now
         self.held_by_control, reason, room = self.commanded()
         reason = reason or self.pause_reason()
         assignment = self.consumer.assignment()
@@ -452,12 +458,18 @@ class RaasWorker:
             self.consumer.commit(offsets)
 
     def _maybe_metrics(self, every_s: float = 2.0) -> None:
-        if time.monotonic() - self._last_metric < every_s:
+        now = time.monotonic()
+        if now - self._last_metric < every_s:
             return
-        self._last_metric = time.monotonic()
         values = {f"{k}_total": float(v) for k, v in self.totals.items()}
-        # paused: held back by backpressure (what a scaling controller reads); commands count apart
+        # paused: held back by backpressure now; paused_frac: the share of the time since the last metric it
+        # was (what a scaling controller reads: a worker paused between batches flips paused every step);
+        # commands count apart
         values["paused"] = 1.0 if self.paused_reason and not self.held_by_control else 0.0
+        held = self._backpressure_s + (now - self._state_since if values["paused"] else 0.0)
+        if self._last_metric:
+            values["paused_frac"] = min(1.0, held / (now - self._last_metric))
+        self._backpressure_s, self._state_since, self._last_metric = 0.0, now, now
         values["paused_by_control"] = 1.0 if self.held_by_control == "pause" else 0.0
         values["throttled"] = 1.0 if self.held_by_control == "throttle" else 0.0
         values.update({f"version.{p}": float(e.version) for p, e in self.engines.items()})

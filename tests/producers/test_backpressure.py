@@ -14,7 +14,8 @@ from producers.raas import RaasWorker
 from topics.bus import connect
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
-from topics.schemas import TrainerProgress
+from topics.follow import LatestByKey
+from topics.schemas import Metric, TrainerProgress
 from weights.publisher import Publisher
 from weights.store import WeightStore
 
@@ -45,6 +46,18 @@ raas: {{batch_prompts: 2, max_inflight_groups: 8}}
             worker.step()
         assert produced() == 8
         assert "8 groups of actor in flight, and a batch of 2 more would pass its limit 8" in worker.paused_reason
+        # paused_frac: the share of the time between two metrics the worker was held back (here all of it)
+        worker._maybe_metrics(every_s=0.0)
+        for _ in range(5):
+            worker.step()
+        worker._maybe_metrics(every_s=0.0)
+        worker.producer.flush()
+        metrics = LatestByKey(bus, names.metrics, Metric)
+        try:
+            values = metrics.read_to_end()["raas-0"].values
+        finally:
+            metrics.close()
+        assert values["paused"] == 1.0 and values["paused_frac"] > 0.95
 
         filt = FilterProcessor(bus, cfg.run, "actor", build_chain([{"name": "accept_all"}]), linger_s=0.0)
         while filt.totals["consumed"] < 8:

@@ -42,6 +42,7 @@ def batches(steps=3, groups=3):
 class Recorder:
     def __init__(self):
         self.versions, self.state, self.errors, self.durable_version = [], None, [], None
+        self.last_publish = {}
 
     def publish(self, state_dict, version, samples_consumed=None):
         self.versions.append(version)
