@@ -20,6 +20,17 @@ from weights.publisher import Publisher
 from weights.store import WeightStore
 
 
+def reported(worker: RaasWorker) -> dict[str, float]:
+    """The figures ``worker`` reports on ``metrics`` now: it sends a Metric, then this reads its newest one back."""
+    worker._maybe_metrics(every_s=0.0)
+    worker.producer.flush()
+    metrics = LatestByKey(worker.bus, worker.names.metrics, Metric)
+    try:
+        return metrics.read_to_end()[worker.id].values
+    finally:
+        metrics.close()
+
+
 def test_pauses_at_max_inflight_and_resumes_by_the_announced_position(tmp_path, bus_url, tiny_model_dir):
     path = tmp_path / "run.yaml"
     path.write_text(f"""
@@ -50,13 +61,7 @@ raas: {{batch_prompts: 2, max_inflight_groups: 8}}
         worker._maybe_metrics(every_s=0.0)
         for _ in range(5):
             worker.step()
-        worker._maybe_metrics(every_s=0.0)
-        worker.producer.flush()
-        metrics = LatestByKey(bus, names.metrics, Metric)
-        try:
-            values = metrics.read_to_end()["raas-0"].values
-        finally:
-            metrics.close()
+        values = reported(worker)
         assert values["paused"] == 1.0 and values["paused_frac"] > 0.95
 
         filt = FilterProcessor(bus, cfg.run, "actor", build_chain([{"name": "accept_all"}]), linger_s=0.0)

@@ -11,10 +11,10 @@ from astraflow.config import load_config
 from astraflow.monitor import RunMonitor
 from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
+from tests.producers.test_backpressure import reported
 from topics.bus import connect
 from topics.names import TopicNames
-from topics.follow import LatestByKey
-from topics.schemas import Control, Metric
+from topics.schemas import Control
 
 
 def _config(tmp_path, bus_url, tiny_model_dir):
@@ -91,13 +91,7 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
         before = produced()
         assert steps(worker, 20) == before + 2  # 20 steps take a few seconds
         assert worker.paused_reason == "throttled by control to 3 prompts a minute"
-        worker._maybe_metrics(every_s=0.0)
-        worker.producer.flush()
-        metrics = LatestByKey(bus, names.metrics, Metric)
-        try:
-            held = metrics.read_to_end()["raas-0"].values
-        finally:
-            metrics.close()
+        held = reported(worker)
         assert (held["throttled"], held["paused_by_control"], held["paused"]) == (1.0, 0.0, 0.0)
         monitor = RunMonitor(bus, names, ["actor"], "single_turn")  # what astraflow status shows
         try:
