@@ -1,5 +1,7 @@
-"""Inference engines for rollouts: the interface and the transformers engine (the SGLang client is
-:class:`producers.sglang_engine.SGLangEngine`).
+"""The rollout inference engine contract: :class:`Engine`, :class:`SamplingParams`, :class:`Generation` and the
+errors. The engines: :class:`producers.hf_engine.HFEngine` (transformers, the CPU default),
+:class:`producers.vllm_engine.VLLMEngine` and :class:`producers.sglang_engine.SGLangEngine` (servers over HTTP).
+This module imports no torch, so what only names engines (the launcher's checks, the workflows) starts fast.
 
 An :class:`Engine` turns a batch of prompt token ids into sampled continuations
 with their *behaviour logprobs*, and accepts new weights between rollouts.
@@ -15,7 +17,7 @@ before truncation. With ``temperature == 0`` (greedy) logprobs are taken at
 :mod:`producers.sglang_engine`; its ``SGLANG_RETURN_ORIGINAL_LOGPROB`` must be left off).
 
 Interruption: an engine's :attr:`Engine.interrupt` event, once set, stops
-:class:`HFEngine` generation at its next decode step with
+:class:`~producers.hf_engine.HFEngine` generation at its next decode step with
 :class:`GenerationInterrupted`; nothing of the call is returned, so no partial
 generation is ever used. :class:`~producers.sglang_engine.SGLangEngine` ignores it (a request runs to
 its end).
@@ -27,14 +29,14 @@ engine could not load them, e.g. its server refused or could not be reached).
 from __future__ import annotations
 
 import abc
-import inspect
 import threading
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class Engine(abc.ABC):
     Attributes:
         interrupt: when set, stops a :meth:`generate` in progress (or about to start) with
             :class:`GenerationInterrupted`; None (the default) never interrupts. Checked by
-            :class:`HFEngine` before each decode step; ``SGLangEngine`` ignores it.
+            :class:`~producers.hf_engine.HFEngine` before each decode step; ``SGLangEngine`` ignores it.
     """
 
     interrupt: threading.Event | None = None
@@ -154,165 +156,12 @@ class Engine(abc.ABC):
         return () if eos is None else (eos,)
 
 
-def _check_prompts(batch: list[list[int]]) -> None:
+def check_prompts(batch: list[list[int]]) -> None:
+    """Refuse a batch with an empty prompt.
+
+    Raises:
+        ValueError: prompt ``i`` of ``batch`` is empty (the message names it).
+    """
     for i, ids in enumerate(batch):
         if len(ids) == 0:
             raise ValueError(f"prompt {i} of the batch is empty")
-
-
-class HFEngine(Engine):
-    """A transformers causal LM sampling batches with a KV cache (the CPU default).
-
-    Prompts are left-padded with an attention mask and explicit position ids;
-    one prefill pass builds the cache, then each step feeds one token per row.
-    Identical prompts (the G samples of a GRPO group) are prefilled once and
-    their cache rows copied, as prefix caching does in SGLang and vLLM.
-    Rows that have stopped are dropped from the decode batch (their cache rows
-    too) once they are an eighth of it; until then they run on a pad token,
-    their outputs ignored. A chunk ends when every row stopped or
-    ``max_new_tokens`` is reached.
-    :attr:`Engine.interrupt` is checked before each decode step (after the
-    prefill), so a set interrupt stops a call within one forward pass.
-
-    Args:
-        model_dir: a ``save_pretrained`` directory with model and tokenizer.
-        device: torch device string.
-        dtype: parameter dtype (float32 for exact logprobs on CPU, bfloat16 on GPU).
-        max_batch: the most rows (prompts, a group's G copies counted G times) per forward pass; larger
-            batches are split into chunks run one after another. 256 holds a RaaS batch of 16 prompts x 16
-            samples: on the tiny model one chunk of 256 rows is about twice as fast as four of 64.
-        max_batch_tokens: the most KV-cache positions per chunk, rows x (longest prompt + ``max_new_tokens``):
-            long generations get fewer rows per chunk (131072 is 64 rows of a 2048-token context).
-        version: the version of the weights in ``model_dir``.
-    """
-
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_batch: int = 256, max_batch_tokens: int = 131072, version: int = 0) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.device = torch.device(device)
-        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
-        self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
-        self._version = version
-        self._generator = torch.Generator(device=self.device).manual_seed(0)
-        pad = self._tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (self._tokenizer.eos_token_id or 0)
-        self._lock = threading.Lock()
-        # the KV-cache argument and output field: `cache` in transformers >= 5.x, `past_key_values` before
-        self._cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
-            else "past_key_values"
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def generate(self, batch: list[list[int]], sampling: SamplingParams) -> list[Generation]:
-        """See :meth:`Engine.generate`.
-
-        Raises:
-            ValueError: an empty prompt.
-            GenerationInterrupted: :attr:`Engine.interrupt` was set before a decode step.
-        """
-        _check_prompts(batch)
-        gen = self._generator
-        if sampling.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        out: list[Generation] = []
-        positions = max(map(len, batch), default=1) + sampling.max_new_tokens  # per row, at most
-        rows = max(1, min(self.max_batch, self.max_batch_tokens // positions))
-        with self._lock, torch.inference_mode():
-            for start in range(0, len(batch), rows):
-                out.extend(self._generate_chunk(batch[start:start + rows], sampling, gen))
-        return out
-
-    def _generate_chunk(self, batch: list[list[int]], sampling: SamplingParams,
-                        gen: torch.Generator) -> list[Generation]:
-        n, width, dev = len(batch), max(map(len, batch)), self.device
-        first: dict[tuple[int, ...], int] = {}  # each distinct prompt -> its row in the prefill
-        rows = torch.tensor([first.setdefault(tuple(row), len(first)) for row in batch], dtype=torch.long, device=dev)
-        ids = torch.full((len(first), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(first), width), dtype=torch.long)
-        for i, row in enumerate(first):
-            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        positions = (mask.cumsum(1) - 1).clamp_(min=0)
-        stops = torch.tensor(self.stop_ids(sampling), dtype=torch.long, device=dev)
-        steps = sampling.max_new_tokens
-        tokens = torch.empty((n, steps), dtype=torch.long, device=dev)
-        logps = torch.empty((n, steps), dtype=torch.float32, device=dev)
-        done = torch.zeros(n, dtype=torch.bool, device=dev)
-        length = torch.full((n,), steps, dtype=torch.long, device=dev)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, logits_to_keep=1)
-        cache = getattr(out, self._cache_name)
-        if len(first) < n:
-            cache.reorder_cache(rows)  # one cache row per sample: index_select on the batch dimension
-        logits, mask, next_pos = out.logits[rows, -1], mask[rows], positions[rows, -1:] + 1
-        live = torch.arange(n, device=dev)  # the chunk's row of each row in the forward pass
-        for t in range(steps):
-            if self.interrupt is not None and self.interrupt.is_set():
-                raise GenerationInterrupted(f"interrupted after {t} of up to {steps} tokens")
-            tok, logp = self._sample(logits, sampling, gen)
-            finished = done[live]
-            tok = tok.masked_fill_(finished, self.pad_id)
-            tokens[live, t], logps[live, t] = tok, logp  # past a row's length: cut off below
-            if stops.numel():
-                hit = torch.isin(tok, stops) & ~finished
-                length[live[hit]] = t + 1
-                done[live[hit]] = True
-                finished |= hit
-                if bool(finished.all()):
-                    break
-            if t + 1 == steps:
-                break
-            if stops.numel() and 8 * int(finished.sum()) >= len(live):  # drop stopped rows: an eighth of the pass
-                keep = (~finished).nonzero()[:, 0]
-                cache.reorder_cache(keep)
-                live, tok, mask, next_pos = live[keep], tok[keep], mask[keep], next_pos[keep]
-            mask = torch.cat([mask, mask.new_ones((len(live), 1))], 1)
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                             use_cache=True, **{self._cache_name: cache})
-            cache, logits = getattr(out, self._cache_name), out.logits[:, -1]
-            next_pos = next_pos + 1
-        tokens, logps = tokens.cpu().numpy().astype(np.int32), logps.cpu().numpy()
-        lengths, stopped = length.cpu().tolist(), done.cpu().tolist()
-        return [Generation(output_ids=tokens[i, :lengths[i]].copy(), logprobs=logps[i, :lengths[i]].copy(),
-                           finish_reason="stop" if stopped[i] else "length", version=self._version)
-                for i in range(n)]
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, sampling: SamplingParams,
-                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample a token per row; return (token int64[n], logprob float32[n]) per the module convention."""
-        logits = logits.float()
-        if sampling.temperature == 0:
-            logp = torch.log_softmax(logits, -1)
-            tok = logp.argmax(-1)
-            return tok, logp.gather(1, tok[:, None])[:, 0]
-        logp = torch.log_softmax(logits / sampling.temperature, -1)
-        probs = logp.exp()
-        if sampling.top_p < 1:
-            sorted_p, order = probs.sort(-1, descending=True)
-            cut = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p
-            probs = probs.scatter(1, order, sorted_p.masked_fill(cut, 0.0))
-        tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
-        return tok, logp.gather(1, tok[:, None])[:, 0]
-
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        params = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
-        for name, value in state_dict.items():
-            if name not in params:
-                raise KeyError(f"load_weights: the model has no parameter {name!r}")
-            if tuple(value.shape) != tuple(params[name].shape):
-                raise ValueError(f"load_weights: {name!r} has shape {tuple(value.shape)}, "
-                                 f"the model expects {tuple(params[name].shape)}")
-        with self._lock, torch.no_grad():
-            for name, value in state_dict.items():
-                params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
-            self._version = int(version)

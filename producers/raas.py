@@ -44,7 +44,8 @@ from pathlib import Path
 
 from astraflow.config import RunConfig
 from astraflow.models import resolve_model
-from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, HFEngine, SamplingParams
+from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, SamplingParams
+from producers.hf_engine import HFEngine
 from producers.workflows import get_workflow, prompt_ids
 from topics.bus import Bus, BusError, Record, TopicPartition, connect
 from topics.patience import patiently

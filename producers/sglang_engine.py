@@ -22,7 +22,7 @@ Stops (``managers/schedule_batch.py: Req._check_token_based_finish``): a sequenc
 additional stop tokens; ``ignore_eos`` skips *every* one of these checks, explicit stop ids included.
 So the stop set is sent as ``stop_token_ids`` with ``ignore_eos`` false; only an empty stop set
 (``SamplingParams.stop_token_ids == ()``, or a tokenizer without EOS) sends ``ignore_eos`` true, which
-is exactly "no stop token". Unlike :class:`~producers.engines.HFEngine`, the model's EOS tokens also
+is exactly "no stop token". Unlike :class:`~producers.hf_engine.HFEngine`, the model's EOS tokens also
 stop a sequence when ``stop_token_ids`` names other tokens (SGLang has no way to turn them off alone).
 
 Logprobs (``layers/sampler.py: Sampler.forward``): the standard path divides the logits by ``T``,
@@ -94,7 +94,7 @@ import numpy as np
 import torch
 
 from astraflow.config import SGLANG_OWN_ARGS
-from producers.engines import Engine, EngineUpdateError, Generation, SamplingParams, _check_prompts
+from producers.engines import Engine, EngineUpdateError, Generation, SamplingParams, check_prompts
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +353,7 @@ class SGLangEngine(Engine):
             RuntimeError: the server aborted a request, or answered something else than one complete
                 generation per prompt.
         """
-        _check_prompts(batch)
+        check_prompts(batch)
         body = self.request_for(batch, sampling)
         with self._lock:
             version = self._version

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from producers.engines import (Engine, EngineUpdateError, Generation, GenerationInterrupted, SamplingParams,
-                               _check_prompts)
+                               check_prompts)
 from producers.vllm_server import SERVED_NAME, wait_healthy
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class VLLMEngine(Engine):
                 flight runs to its end), or the request failed once it was set (the server stopping with us).
             RuntimeError: the server failed the request.
         """
-        _check_prompts(batch)
+        check_prompts(batch)
         if sampling.top_p < 1:
             raise ValueError(f"sampling.top_p={sampling.top_p}: the vLLM engine records logprobs of the "
                              "temperature-scaled distribution only with top_p = 1")

@@ -8,7 +8,7 @@ same trainer config (``examples/arith-tiny.yaml``), on the same batch
 of trainer steps:
 
 * **sync**: one process, ``torch.set_num_threads(cores)``. Per step it rolls
-  out a batch with an :class:`~producers.engines.HFEngine`, trains on it with a
+  out a batch with an :class:`~producers.hf_engine.HFEngine`, trains on it with a
   :class:`~trainer.loop.Trainer`, then loads the new weights into the engine
   (in memory: the most generous weight sync there is). The step after a sync
   samples from the newest weights, so staleness is 0.
@@ -110,7 +110,8 @@ def sync_child(args: argparse.Namespace, threads: int) -> None:
     torch.set_num_threads(threads)
     from astraflow.config import load_config
     from astraflow.models import resolve_model
-    from producers.engines import HFEngine, SamplingParams
+    from producers.engines import SamplingParams
+    from producers.hf_engine import HFEngine
     from producers.sources import load_source
     from producers.workflows import get_workflow
     from trainer.loop import Trainer

@@ -2,7 +2,7 @@
 """A RaaS worker in another region: weight pulls over a slow, distant link, and a trainer that never waits.
 
 The remote side is the RaaS worker's weight path (:class:`weights.puller.Puller`, as ``RaasWorker`` builds
-it, with its ``weights`` consumer and an :class:`~producers.engines.HFEngine` it loads each version into)
+it, with its ``weights`` consumer and an :class:`~producers.hf_engine.HFEngine` it loads each version into)
 in its own Linux network namespace. Everything it says to the bus and the store crosses one link:
 
 * inside the namespace, ``scripts/latency_proxy.py`` listens on 127.0.0.1 at the broker's port and the S3
@@ -314,7 +314,8 @@ def sample_groups(model_dir: Path, n_groups: int, group_size: int) -> list:
     """``n_groups`` TrajectoryGroups of ``group_size`` samples, rolled out by an HFEngine on the tiny
     model with the single-turn workflow and the example's sampling settings, on ``arith`` prompts."""
     from astraflow.config import load_config
-    from producers.engines import HFEngine, SamplingParams
+    from producers.engines import SamplingParams
+    from producers.hf_engine import HFEngine
     from producers.sources import load_source
     from producers.workflows import get_workflow
 
@@ -370,7 +371,7 @@ def remote_main(spec: dict) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from producers.engines import HFEngine
+    from producers.hf_engine import HFEngine
     from topics.bus import connect
     from topics.names import TopicNames
     from weights.puller import Puller

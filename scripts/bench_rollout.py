@@ -3,7 +3,7 @@
 
 (a) plain transformers ``model.generate(do_sample=True, num_return_sequences=16)`` over the 16 left-padded
     prompts: the baseline;
-(b) :class:`~producers.engines.HFEngine`, one ``generate`` call per prompt (its 16 copies), as the RaaS worker
+(b) :class:`~producers.hf_engine.HFEngine`, one ``generate`` call per prompt (its 16 copies), as the RaaS worker
     rolled out a batch before cross-prompt batching;
 (c) HFEngine, one ``generate`` call for the batch's 256 rows, as ``single_turn``'s ``run_batch`` does;
 (d) vLLM (:class:`~producers.vllm_server.VLLMServer` + :class:`~producers.vllm_engine.VLLMEngine`, one
@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from astraflow.models import tiny_model_dir  # noqa: E402
-from producers.engines import HFEngine, SamplingParams  # noqa: E402
+from producers.engines import SamplingParams  # noqa: E402
+from producers.hf_engine import HFEngine  # noqa: E402
 from producers.workflows import prompt_ids  # noqa: E402
 
 N_PROMPTS, G = 16, 16

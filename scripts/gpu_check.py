@@ -323,7 +323,7 @@ def step_engine(ctx: Ctx) -> str:
     torch = need_torch_device(ctx)
     import numpy as np
 
-    from producers.engines import HFEngine
+    from producers.hf_engine import HFEngine
 
     model_dir = need_model(ctx)
     dtype = torch.bfloat16 if ctx.cuda else torch.float32

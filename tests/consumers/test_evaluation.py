@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from astraflow.cli import app
 from consumers.evaluation import evaluate, load_benchmark, pull_newest
-from producers.engines import HFEngine
+from producers.hf_engine import HFEngine
 from topics.bus import TopicPartition, connect
 from topics.codec import decode
 from topics.names import TopicNames

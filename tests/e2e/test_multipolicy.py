@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from astraflow.audit import audit_run
-from producers.engines import HFEngine, SamplingParams
+from producers.engines import SamplingParams
+from producers.hf_engine import HFEngine
 from producers.rewards import score_many
 from producers.workflows import WORKFLOWS, accepts, get_workflow, prompt_ids
 from topics.bus import connect, read_topic

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from producers.engines import GenerationInterrupted, HFEngine, SamplingParams
+from producers.engines import GenerationInterrupted, SamplingParams
+from producers.hf_engine import HFEngine
 
 torch.set_num_threads(2)
 

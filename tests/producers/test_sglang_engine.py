@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from astraflow.config import ConfigError, RunConfig, load_config
-from producers.engines import EngineUpdateError, HFEngine, SamplingParams
+from producers.engines import EngineUpdateError, SamplingParams
+from producers.hf_engine import HFEngine
 from producers.sglang_engine import (SGLangEngine, SGLangHTTPError, free_port, launch_command, launch_env,
                                      serialize_named_tensors)
 

@@ -9,7 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from producers.engines import EngineUpdateError, GenerationInterrupted, HFEngine, SamplingParams
+from producers.engines import EngineUpdateError, GenerationInterrupted, SamplingParams
+from producers.hf_engine import HFEngine
 from producers.vllm_engine import VLLMEngine
 from producers.vllm_server import VLLMServer, server_argv
 from producers.workflows import prompt_ids

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from producers.engines import Engine, Generation, HFEngine, SamplingParams
+from producers.engines import Engine, Generation, SamplingParams
+from producers.hf_engine import HFEngine
 from producers.workflows import WORKFLOWS, accepts, get_workflow, group_id_for, prompt_ids
 from topics.codec import decode, encode
 from topics.schemas import Prompt, TrajectoryGroup
