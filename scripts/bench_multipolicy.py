@@ -174,7 +174,9 @@ def rollout_times(bus_url: str, run: str, policy: str) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="8 iterations of 8 prompts x G=8 (default 16 of 16 x 8)")
+    ap.add_argument("--quick", action="store_true",
+                    help="8 iterations of 8 prompts x G=8 (default 32 of 16 x 8: a window of 30 versions; one of 14 "
+                         "varied by 25%% between runs)")
     ap.add_argument("--repeats", type=int, default=1, help="measurements per mode (alternating)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="torch thread counts tried for the sequential loop; the fastest is the baseline")
@@ -188,7 +190,7 @@ def main() -> None:
         a.place = [] if a.os_schedules or (os.cpu_count() or 1) < 2 else list(DEFAULT_PLACE)
     elif a.os_schedules:
         ap.error("--place and --os-schedules exclude each other")
-    iters, batch, g = (8, 8, 8) if a.quick else (16, 16, 8)
+    iters, batch, g = (8, 8, 8) if a.quick else (32, 16, 8)
     print(f"workload: solve_verify_retry on arith, tiny solver + tiny verifier, {iters} iterations of "
           f"{batch} prompts x G={g}; {os.cpu_count()} cores; sequential loop {a.threads} threads (best), "
           f"pipeline {a.raas_workers} RaaS worker(s), 1 thread per process, placement: "
