@@ -146,7 +146,7 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     they share the partitions of consumer group `filter.<policy>`; SIGTERM stops one after its batch."""
     from astraflow.launcher import policy_component
     from policies.base import Filter
-    from policies.processor import FilterProcessor
+    from policies.processor import STEP_DEADLINE_S, FilterProcessor
     from policies.registry import build_chain
     from topics.bus import connect
 
@@ -163,7 +163,7 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     filters = build_chain(cfg.policies[policy].filters, Filter)
     FilterProcessor(connect(cfg.bus, cfg.kafka), cfg.run, policy, filters, instance=str(instance),
                     max_records=fp.max_records, linger_s=fp.linger_s, metrics_interval_s=fp.metrics_interval_s,
-                    session_timeout_s=fp.session_timeout_s).run(stop)
+                    session_timeout_s=fp.session_timeout_s, step_deadline_s=STEP_DEADLINE_S).run(stop)
 
 
 @app.command()

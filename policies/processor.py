@@ -24,7 +24,9 @@ stop it after the current batch.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
+import sys
 import threading
 import time
 from collections import Counter
@@ -41,6 +43,10 @@ from topics.reader_watch import ReaderWatch
 from topics.schemas import Metric, PolicyState, Prompt, RolloutOutcome, TrajectoryGroup, WeightAnnouncement
 
 log = logging.getLogger(__name__)
+
+#: seconds ``astraflow policy`` lets one attempt of a batch take (``FilterProcessor``'s ``step_deadline_s``):
+#: above the ~150 s that its bounded calls can add up to
+STEP_DEADLINE_S = 200.0
 
 
 def _metric(component: str, policy: str, counts: Counter) -> Metric:
@@ -65,6 +71,13 @@ class FilterProcessor:
             100 ms, plays the same role); the added latency is at most this.
         metrics_interval_s: seconds between ``metrics`` records (counts since the previous one).
         session_timeout_s: seconds after which a silent member (a killed processor) leaves the group.
+        step_deadline_s: seconds one attempt of a batch (recovery, poll, filters, sends, commit) may take; past
+            it the process writes every thread's stack to stderr and exits with status 1
+            (:func:`faulthandler.dump_traceback_later`), so that its supervisor restarts it from what it committed
+            (the new producer fences the wedged one's transaction). Each call in a batch is bounded (sends 60 s,
+            commit and abort 30 s each), so only a wedge (a hung filter, a client call that never returns)
+            reaches it. Process-wide: for a processor that owns its process (``astraflow policy`` sets
+            :data:`STEP_DEADLINE_S`); None (the default) sets none.
 
     Attributes:
         totals: counts since start: ``consumed``, ``kept``, ``dropped``,
@@ -77,14 +90,14 @@ class FilterProcessor:
     def __init__(self, bus: Bus, run: str, policy: str, filters: Sequence[Filter], *, instance: str = "0",
                  max_records: int = 200, poll_timeout_s: float = 1.0, linger_s: float = 0.1,
                  metrics_interval_s: float = 5.0,
-                 session_timeout_s: float = 10.0):
+                 session_timeout_s: float = 10.0, step_deadline_s: float | None = None):
         self.names = TopicNames(run)
         self.policy, self.filters = policy, list(filters)
         self.group = self.names.filter_group(policy)
         self.component = f"filter.{policy}.{instance}"
         self.source, self.sink = self.names.trajectories(policy), self.names.samples(policy)
         self.max_records, self.poll_timeout_s, self.linger_s = max_records, poll_timeout_s, linger_s
-        self.metrics_interval_s = metrics_interval_s
+        self.metrics_interval_s, self.step_deadline_s = metrics_interval_s, step_deadline_s
         self.bus, self.transactional_id = bus, f"{run}.filter.{policy}.{instance}"
         self.producer = bus.producer(transactional_id=self.transactional_id)
         self.consumer = bus.consumer(self.group, client_id=self.component, session_timeout_s=session_timeout_s,
@@ -186,7 +199,17 @@ class FilterProcessor:
         same ``transactional.id`` (its initialisation fences the old one and aborts what it left open) and
         the consumer rewound to the aborted batch's first offsets on the partitions it still owns (a
         partition that moved is re-read by its new owner from the committed offsets). Nothing of an
-        aborted transaction is visible, so the batch is processed exactly once."""
+        aborted transaction is visible, so the batch is processed exactly once. Runs under
+        ``step_deadline_s``."""
+        if self.step_deadline_s is not None:
+            faulthandler.dump_traceback_later(self.step_deadline_s, exit=True, file=sys.stderr)
+        try:
+            return self._recover_and_step()
+        finally:
+            if self.step_deadline_s is not None:
+                faulthandler.cancel_dump_traceback_later()
+
+    def _recover_and_step(self) -> int:
         if self._broken:
             try:
                 self.producer.close()

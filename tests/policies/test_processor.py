@@ -1,7 +1,11 @@
 """The filter stream processor and the curator gate on both bus backends (real broker, real files)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from policies.curators import FilterSolved, Greso
 from policies.filters import FilterZeroAdv
@@ -11,6 +15,8 @@ from topics.bus import connect
 from topics.codec import decode, encode, headers_for
 from topics.names import TopicNames
 from topics.schemas import DeadLetter, Metric, Prompt, WeightAnnouncement
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _sum_metrics(records, component):
@@ -154,3 +160,39 @@ def test_greso_state_survives_a_restart_of_the_gate(bus_url, run_id):
         assert {pid: fresh[1].submit_probability(pid) for pid in pids} == before
     finally:
         restarted.close()
+
+
+def test_a_batch_past_its_deadline_names_where_it_hung_and_exits_and_loses_nothing(bus_url, run_id, tmp_path):
+    """A filter that never returns: the processor's process writes its stacks (the hung frame named) and exits 1
+    once the batch passes ``step_deadline_s``, instead of wedging the run; nothing was committed, so a restarted
+    processor (the supervisor's job) passes the group on."""
+    (tmp_path / "hang_filter.py").write_text(
+        "import time\nfrom policies.base import Filter\n\n"
+        "class Hang(Filter):\n    def keep(self, group):\n        time.sleep(3600)\n")
+    bus = connect(bus_url)
+    names = TopicNames(run_id)
+    bus.admin().ensure_run_topics(names, ["solver"], partitions=2)
+    group = make_group([0, 1, 1], prompt_id="q0")
+    producer = bus.producer()
+    producer.send(names.trajectories("solver"), encode(group), key=group.prompt_id, headers=headers_for(group))
+    producer.flush()
+    producer.close()
+
+    code = ("import sys; from hang_filter import Hang; from policies.processor import FilterProcessor; "
+            "from topics.bus import connect; FilterProcessor(connect(sys.argv[1]), sys.argv[2], 'solver', [Hang()], "
+            "poll_timeout_s=0.5, step_deadline_s=3.0).run()")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code, bus_url, run_id], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert time.monotonic() - started < 60
+    assert "Timeout (0:00:03)!" in done.stderr
+    assert 'hang_filter.py", line 6 in keep' in done.stderr  # the hung frame, named
+
+    proc = FilterProcessor(bus, run_id, "solver", [FilterZeroAdv()], poll_timeout_s=0.5, metrics_interval_s=0.0)
+    deadline = time.monotonic() + 60
+    while proc.totals["consumed"] < 1 and time.monotonic() < deadline:
+        proc.step()
+    proc.close()
+    assert [decode(r.value).group_id for r in read_all(bus, names.samples("solver"), 1)] == [group.group_id]
