@@ -112,15 +112,19 @@ class Engine(abc.ABC):
     #: policy, version, sha256)``, :class:`producers.vllm_engine.VLLMEngine`) instead of :meth:`load_weights`.
     pulls_from_store: bool = False
 
-    @property
-    @abc.abstractmethod
-    def tokenizer(self) -> Any:
-        """The policy's Hugging Face tokenizer (for chat templates and decoding)."""
+    #: Set by each engine's ``__init__``: the policy's tokenizer, and the version it holds (see the properties).
+    _tokenizer: Any = None
+    _version: int = 0
 
     @property
-    @abc.abstractmethod
+    def tokenizer(self) -> Any:
+        """The policy's Hugging Face tokenizer (for chat templates and decoding)."""
+        return self._tokenizer
+
+    @property
     def version(self) -> int:
         """The weight version currently loaded (0 for the initial weights)."""
+        return self._version
 
     @abc.abstractmethod
     def generate(self, batch: list[list[int]], sampling: SamplingParams) -> list[Generation]:

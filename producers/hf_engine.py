@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -55,14 +55,6 @@ class HFEngine(Engine):
         # the KV-cache argument and output field: `cache` in transformers >= 5.x, `past_key_values` before
         self._cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def version(self) -> int:
-        return self._version
 
     def generate(self, batch: list[list[int]], sampling: SamplingParams) -> list[Generation]:
         """See :meth:`Engine.generate`.

@@ -310,14 +310,6 @@ class SGLangEngine(Engine):
                             wait=wait_exponential(multiplier=self.backoff_s, max=10))
         return retrying(once)
 
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def version(self) -> int:
-        return self._version
-
     # -- generation ------------------------------------------------------------------------
     def request_for(self, batch: list[list[int]], sampling: SamplingParams) -> dict[str, Any]:
         """The ``/generate`` request body for ``batch`` (see the module docstring)."""

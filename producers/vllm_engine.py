@@ -57,14 +57,6 @@ class VLLMEngine(Engine):
         waited = wait_healthy(self.url, startup_timeout_s, what="the vLLM server", log=log.info)
         log.info("vLLM server at %s is healthy (waited %.0f s)", self.url, waited)
 
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
-    def version(self) -> int:
-        return self._version
-
     def _post(self, path: str, payload: dict[str, Any] | None = None) -> Any:
         """POST ``payload`` as JSON; the decoded answer.
 

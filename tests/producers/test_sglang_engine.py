@@ -305,14 +305,8 @@ def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(
     from weights.store import WeightStore
 
     class Flaky(Engine):
-        tokenizer = None
-
         def __init__(self):
             self._version, self.refuse = 0, 1
-
-        @property
-        def version(self):
-            return self._version
 
         def generate(self, batch, sampling):
             raise NotImplementedError

@@ -125,22 +125,14 @@ class ScriptedEngine(Engine):
     A reply is a text for every prompt of the batch, or a list of texts, one per prompt."""
 
     def __init__(self, tokenizer, replies, version=7):
-        self._tok, self.replies, self._version, self.seen = tokenizer, list(replies), version, []
-
-    @property
-    def tokenizer(self):
-        return self._tok
-
-    @property
-    def version(self):
-        return self._version
+        self._tokenizer, self.replies, self._version, self.seen = tokenizer, list(replies), version, []
 
     def generate(self, batch, sampling):
         self.seen.append([list(b) for b in batch])
         reply = self.replies.pop(0)
         out = []
         for text in reply if isinstance(reply, list) else [reply] * len(batch):
-            ids = np.array(self._tok.encode(text, add_special_tokens=False) + [self._tok.eos_token_id], np.int32)
+            ids = np.array(self._tokenizer.encode(text, add_special_tokens=False) + [self._tokenizer.eos_token_id], np.int32)
             out.append(Generation(ids, np.full(len(ids), -0.5, np.float32), "stop", self._version))
         return out
 
