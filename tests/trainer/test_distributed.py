@@ -25,7 +25,7 @@ from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 from trainer.model import load_causal_lm
 from trainer.service import CHECKPOINTS, trained_batches
-from weight_tolerance import WEIGHT_ATOL, weight_gaps
+from weight_tolerance import RESUME_ATOL, WEIGHT_ATOL, weight_gaps
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -220,9 +220,9 @@ def test_sigkill_of_a_rank_then_resume_trains_nothing_twice(bus_url, tiny_model_
     ckpt = load_latest(run_dir / "trainer.pol" / CHECKPOINTS)
     assert ckpt.version == 6
     saved = load_causal_lm(ckpt.model_dir, "float32").state_dict()
-    # An optimizer state lost in the resume would move the weights by ~lr (1e-3), far beyond the tolerance.
+    # A lost optimizer state, or a group trained twice or skipped, moves every tensor by ~lr (weight_tolerance.py).
     ref = _reference(tiny_model_dir, [[groups[gid] for gid in e.group_ids] for e in entries])
-    assert not weight_gaps(saved, ref)
+    assert not weight_gaps(saved, ref, atol=RESUME_ATOL)
 
 
 def test_launcher_starts_a_multi_rank_trainer_under_torchrun(tmp_path):
