@@ -35,7 +35,7 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
 
     def begin_micro_batch(self, boundary: bool) -> None:
-        """Nothing to prepare in one process."""
+        """Nothing to prepare: one process, or FSDP2, whose every backward reduce-scatters."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of ``loss`` (already normalised for accumulation)."""

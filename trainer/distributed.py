@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.backend import TorchBackend
 from trainer.config import TrainerConfig
 
 #: How long a rank waits in one collective (e.g. a follower waiting for rank 0's next command while it
@@ -101,8 +102,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-class FSDPBackend:
-    """FSDP2 sharding over the process group; same methods as :class:`trainer.backend.TorchBackend`.
+class FSDPBackend(TorchBackend):
+    """FSDP2 sharding over the process group: :class:`trainer.backend.TorchBackend` (AdamW, clipping by the
+    global L2 norm) over sharded parameters, with cross-rank gradients, norms and state.
 
     Args:
         model: the HF model, already on this rank's device (identical weights on every rank). It is
@@ -125,17 +127,7 @@ class FSDPBackend:
             fully_shard(layer)
         fully_shard(model)
         self.world = dist.get_world_size()
-        self.model = self.forward_model = model
-        self.max_grad_norm = config.max_grad_norm
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
-                                           weight_decay=config.weight_decay)
-
-    def zero_grad(self) -> None:
-        """Clear the (sharded) gradients before a new optimiser step."""
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def begin_micro_batch(self, boundary: bool) -> None:
-        """Nothing to prepare: every backward reduce-scatters."""
+        super().__init__(model, config)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of ``loss``; FSDP reduce-scatters it across ranks.
