@@ -78,6 +78,10 @@ class Component:
         return self.name.split(".")[0].split("-")[0]
 
 
+#: kinds whose exit code 0 means their work is done (acquisition sent its prompts, a trainer reached its steps)
+DONE_KINDS = ("acquire", "trainer")
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL what is left of an exited component's process group (each component leads its own session,
     so its group id is its pid): children that outlived it, e.g. the ranks of a killed ``torchrun``."""
@@ -300,7 +304,10 @@ class Launcher:
         #: RaaS workers to run: raas.workers, then the controller's newest target_replicas (read by the view thread)
         self.raas_target = cfg.raas.workers
         self._control: LatestByKey | None = None
+        self._progress: LatestByKey | None = None  # the trainers' TrainerProgress, read by the watchdog (view thread)
         self._publish_seen: dict[str, tuple[int, bool]] = {}  # policy -> (publish errors, failing) last told
+        #: set by the watchdog (view thread) when a trainer can get no more data; the run then fails with it
+        self.data_exhausted: str | None = None
 
     def _start(self, comp: Component) -> None:
         comp.log.parent.mkdir(parents=True, exist_ok=True)
@@ -356,10 +363,13 @@ class Launcher:
                 continue
             c.reported = True
             _kill_group(c.proc)  # what it left running: torchrun's ranks, a vLLM server's engine core
-            if code == 0 or self.stopping or c.retired:
+            if self.stopping or c.retired or (code == 0 and c.kind in DONE_KINDS):
                 continue
-            console.print(f"[bold red]component {c.name} died with exit code {code}[/]; "
-                          f"last lines of {c.log}:\n{_tail(c.log)}")
+            # The others run until the launcher stops them: exit 0 means a SIGTERM from elsewhere, and the run
+            # would wait on them forever.
+            console.print(f"[bold red]component {c.name} "
+                          + ("stopped (exit code 0) while the run goes on" if code == 0 else f"died with exit code {code}")
+                          + f"[/]; last lines of {c.log}:\n{_tail(c.log)}")
             if now - c.started_at >= HEALTHY_S:
                 c.in_a_row = 0
             if c.in_a_row >= MAX_RESTARTS:
@@ -403,7 +413,7 @@ class Launcher:
                 while True:
                     self._scale_raas()
                     failed = self._supervise()
-                    if failed:
+                    if failed or self.data_exhausted:
                         break
                     trainers = [c for c in self.components if c.kind == "trainer"]
                     if all(c.proc.poll() == 0 and c.restart_at is None for c in trainers):
@@ -432,8 +442,9 @@ class Launcher:
                 try:
                     monitor.poll(1.0)
                     monitor.close()
-                    if self._control is not None:
-                        self._control.close()
+                    for follower in (self._control, self._progress):
+                        if follower is not None:
+                            follower.close()
                 except BusError as e:
                     console.print(f"[yellow]the last metrics could not be read: {e}[/]")
         wall = time.monotonic() - t0
@@ -441,6 +452,8 @@ class Launcher:
         summary = self._write_outputs(monitor, wall)
         if failed:
             raise RuntimeError(f"components died: {', '.join(c.name for c in failed)} (see their logs)")
+        if self.data_exhausted and not interrupted:
+            raise RuntimeError(self.data_exhausted)
         if interrupted:
             summary["interrupted"] = True
         return summary
@@ -503,7 +516,8 @@ class Launcher:
     def _watchdog(self, monitor: RunMonitor) -> None:
         """Print one line per ``watchdog_s`` for each unfinished trainer whose version has not moved,
         naming what it waits for: its backlog, its filter's, and RaaS workers paused by backpressure or held by
-        an operator's pause or throttle (`astraflow control`)."""
+        an operator's pause or throttle (`astraflow control`). When no more data can come (:meth:`_starved`),
+        :attr:`data_exhausted` says so and the run fails with it."""
         now = time.monotonic()
         for p, view in monitor.views.items():
             trainer = next(c for c in self.components if c.name == f"trainer.{p}")
@@ -523,9 +537,40 @@ class Launcher:
             held = "; ".join(([f"paused: {', '.join(paused)} (reason in their logs)"] if paused else [])
                              + ([f"held by astraflow control: "
                                  f"{', '.join(f'{w} ({how})' for w, how in controlled.items())}"] if controlled else []))
+            if self._starved(monitor, p, lags, now - since, view.step_s):
+                self.data_exhausted = (
+                    f"the data ran out: trainer.{p} has been at version {version} of {self.cfg.policies[p].steps} "
+                    f"for {now - since:.0f} s, acquisition has sent every prompt and all were rolled out and "
+                    f"filtered (samples.{p} lag {samples} committed); raise data.epochs or lower "
+                    f"policies.{p}.steps")
+                console.print(f"[bold red]watchdog: {self.data_exhausted}[/]")
+                return
             console.print(f"[bold yellow]watchdog: trainer.{p} has been at version {version} for {now - since:.0f} s;"
                           f"[/] samples.{p} lag {samples} (committed), trajectories.{p} lag {filtered}; "
                           + (held or "no RaaS worker reports a pause"))
+
+    def _starved(self, monitor: RunMonitor, policy: str, lags: dict, stalled_s: float, step_s: float | None) -> bool:
+        """Whether trainer ``policy`` can get no more data: acquisition has finished, every prompt has been rolled
+        out and filtered (committed lags 0), the trainer holds less than a batch (its :class:`TrainerProgress`
+        against the end offsets of ``samples.<policy>``, less one transaction marker per partition), and it has
+        been stalled for over 3 of its newest step times (a step can outlast ``watchdog_s``). Unknowns (a bus
+        that does not answer, no progress yet) are not starvation."""
+        acquire = next((c for c in self.components if c.kind == "acquire"), None)
+        if acquire is None or acquire.proc is None or acquire.proc.poll() != 0 or stalled_s < 3 * (step_s or 0.0):
+            return False
+        if (lags.get((self.names.raas_group(self.cfg.workflow.name), self.names.prompts)) != 0
+                or lags.get((self.names.filter_group(policy), self.names.trajectories(policy))) != 0):
+            return False
+        if self._progress is None:
+            self._progress = LatestByKey(monitor.bus, self.names.control, TrainerProgress,
+                                         client_id=f"{self.cfg.run}.launcher-progress")
+        try:
+            progress = self._progress.poll(0.0).get(f"trainer.{policy}")
+            ends = monitor.admin.end_offsets(self.names.samples(policy))
+        except BusError:
+            return False
+        return (progress is not None and not progress.at_barrier
+                and sum(ends.values()) - len(ends) - progress.consumed < self.cfg.policies[policy].batch_groups)
 
     def _publish_alerts(self, monitor: RunMonitor) -> None:
         """One console line when a trainer's weight publishes start failing (or fail again), and one when

@@ -27,6 +27,7 @@ class PolicyView:
     reward: float | None = None
     kl: float | None = None
     tokens_per_s: float | None = None
+    step_s: float | None = None  # seconds the newest trainer step took
     staleness: float | None = None
     publish_errors: int = 0  # failed weight publishes so far (the trainer's alerts)
     publish_failing: bool = False
@@ -102,6 +103,7 @@ class RunMonitor:
                 v.reward = m.values.get("reward_mean", v.reward)
                 v.kl = m.values.get("kl", v.kl)
                 v.tokens_per_s = m.values.get("tokens_per_s", v.tokens_per_s)
+                v.step_s = m.values.get("step_s", v.step_s)
                 v.staleness = m.values.get("staleness_mean", v.staleness)
                 if "reward_mean" in m.values and self.keep:
                     v.history.append((v.step, m.values["reward_mean"]))

@@ -1,8 +1,9 @@
-"""`astraflow run` supervises: a component killed with SIGKILL is restarted and the run still reaches
-its steps, training no group twice and losing no committed prompt (on both buses); a run that did not
-reach its steps exits non-zero."""
+"""`astraflow run` supervises: a component killed with SIGKILL, or stopped from outside with SIGTERM, is
+restarted and the run still reaches its steps, training no group twice and losing no committed prompt (on both
+buses); a run whose data ran out says so; a run that did not reach its steps exits non-zero."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +28,8 @@ def component_pid(run_dir: Path, name: str) -> int | None:
 
 @pytest.mark.slow
 def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url):
-    # One run: SIGKILL the RaaS worker, acquisition, the filter processor, then the trainer, 8 steps apart.
+    # One run: SIGTERM the RaaS worker (it stops cleanly, exit 0: still not the run's end), then SIGKILL
+    # acquisition, the filter processor and the trainer, 8 steps apart.
     run, run_dir = f"sup{uuid.uuid4().hex[:8]}", tmp_path / "run"
     args = ["examples/arith-tiny.yaml", f"run={run}", f"run_dir={run_dir}", f"bus={bus_url}",
             f"policies.actor.steps={STEPS}", "policies.actor.checkpoint_every=5"]
@@ -41,14 +43,33 @@ def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url
             wait_for_steps(launcher, run_dir, 8 * (i + 1), deadline)
             pid = component_pid(run_dir, name)
             assert pid is not None, name
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGTERM if name == "raas-0" else signal.SIGKILL)
     except BaseException:
         launcher.kill()
         raise
     summary, err = finish(launcher, run_dir, STEPS, 400)
     assert summary["restarts"] == 4 and all(f"restarted {c}" in err for c in components), summary
+    assert "component raas-0 stopped (exit code 0) while the run goes on" in err
     # no group trained twice, no committed prompt without its group, across the restarts
     assert_exactly_once(run, run_dir, STEPS, bus_url)
+
+
+@pytest.mark.slow
+def test_a_run_whose_data_runs_out_before_its_steps_says_so_and_exits_non_zero(tmp_path):
+    # 20 prompts x G=16 make one batch of 16 groups and 4 left over; step 2 never comes
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "astraflow", "run", "examples/arith-tiny.yaml",
+                           f"run=dry{uuid.uuid4().hex[:8]}", f"run_dir={run_dir}",
+                           "data.sources=[{name: arith, limit: 20}]", "data.epochs=1", "policies.actor.steps=5",
+                           "watchdog_s=5"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    # version 1 (one seen at 2: rollout is at-least-once, so a prompt can come twice)
+    assert re.search(r"run failed: the data ran out: trainer\.actor has been at version [1-4] of 5 .* raise "
+                     r"data\.epochs or lower policies\.actor\.steps", proc.stderr), proc.stderr[-2000:]
+    assert time.monotonic() - start < 120
 
 
 @pytest.mark.slow
