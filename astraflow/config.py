@@ -56,6 +56,20 @@ class DataConfig(_Strict):
     strict: bool = Field(default=False, description="stop acquisition at the first bad record (exit non-zero) "
                                                     "instead of rejecting it to deadletter and going on")
 
+    @model_validator(mode="after")
+    def _distinct_source_names(self) -> "DataConfig":
+        from producers.sources import source_name
+
+        seen: dict[str, int] = {}
+        for i, src in enumerate(self.sources):
+            name = source_name(src.name)
+            if name in seen:
+                raise ValueError(f"sources[{seen[name]}] ({self.sources[seen[name]].name}) and sources[{i}] ({src.name}) "
+                                 f"share the source name {name!r}, which every prompt_id is made of: their records "
+                                 "would get the same ids and one's be dropped as the other's duplicates (rename a file)")
+            seen[name] = i
+        return self
+
 
 class SamplingConfig(_Strict):
     """Rollout sampling. The trainer divides logits by the same temperature."""

@@ -252,6 +252,7 @@ def preflight(cfg: RunConfig) -> None:
         KeyError, ValueError, TypeError: an unknown workflow, role, option or filter (the message lists the known ones);
             a placement on CPUs this machine lacks (:class:`~astraflow.config.ConfigError`, a ValueError); a
             controller's compose file that does not exist, or no Kubernetes credentials for it.
+        ValueError: a weight store URI that is not file:///abs/dir or s3://bucket/prefix.
         producers.sources.SourceError: a data source that is neither built in nor a readable dataset.
         FileNotFoundError: a model directory that does not exist.
         astraflow.tracker.TrackingUnavailable: a tracking sink is set and its package is not installed.
@@ -262,8 +263,13 @@ def preflight(cfg: RunConfig) -> None:
     from policies.registry import build_chain, build_serving
     from producers.sources import load_source
     from producers.workflows import get_workflow
+    from weights.store import StoreError, check_store_uri
 
     check_placement(cfg)
+    try:
+        check_store_uri(cfg.store)
+    except StoreError as e:
+        raise ValueError(f"store: {e}") from None
     get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None, **cfg.workflow.options)
     for src in cfg.data.sources:
         load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed)

@@ -319,6 +319,8 @@ def _parse_line(raw: bytes, first: bool) -> RawRecord:
         record = json.loads(text)
     except json.JSONDecodeError as e:
         return Unreadable(raw, f"not JSON ({e})")
+    except (ValueError, RecursionError) as e:  # an integer past Python's 4,300-digit limit; nesting past the stack
+        return Unreadable(raw, f"not readable JSON ({type(e).__name__}: {e})")
     if not isinstance(record, dict):
         return Unreadable(raw, f"expected a JSON object, got {type(record).__name__}")
     return record
@@ -459,6 +461,14 @@ SOURCES: dict[str, SourceSpec] = {
 """Built-in sources by name. ``gsm8k`` is the 1319-problem test split."""
 
 
+def source_name(name_or_path: str | Path) -> str:
+    """The name a source stamps on its prompts, part of every ``prompt_id``: a built-in's key, or a file's name
+    up to its first dot (``data/train.jsonl.gz`` -> ``train``). Two sources of one run must not share it: their
+    records would get the same ids and one's be dropped as the other's duplicates."""
+    key = str(name_or_path)
+    return key if key in SOURCES else Path(key).name.split(".")[0]
+
+
 def load_source(name_or_path: str | Path, *, adapter: str | Adapter | None = None,
                 answer_field: str | None = None, split: str | None = None, n: int = 10000,
                 seed: int = 0, max_operand: int = 19, max_prompt_chars: int | None = None) -> PromptSource:
@@ -479,16 +489,17 @@ def load_source(name_or_path: str | Path, *, adapter: str | Adapter | None = Non
     """
     key = str(name_or_path)
     path: Path | None
+    name = source_name(key)
     if key in SOURCES:
         spec = SOURCES[key]
         path = None if spec.file is None else DATA_DIR / spec.file
-        name, default_adapter = key, spec.adapter
+        default_adapter = spec.adapter
     else:
         path = Path(key)
         if not path.exists():
             raise SourceError(f"unknown prompt source {key!r}: neither a built-in "
                               f"({', '.join(SOURCES)}) nor an existing path")
-        name, default_adapter = path.name.split(".")[0], None
+        default_adapter = None
     records, lines = (arith_records(n, seed, max_operand), None) if path is None else read_records(path, split)
     if not records:
         raise SourceError(f"prompt source {key!r} has no records")

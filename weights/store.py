@@ -76,6 +76,19 @@ def _profile_credentials(options: dict[str, Any]) -> Any:
     return Boto3CredentialProvider(boto3.Session())
 
 
+def check_store_uri(uri: str) -> None:
+    """Refuse a weight store URI that is not ``file:///abs/dir`` or ``s3://bucket/prefix`` (no I/O).
+
+    Raises:
+        StoreError: the scheme is neither ``file`` nor ``s3``, nothing follows it, or a ``file`` path is relative.
+    """
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme not in ("file", "s3") or not rest:
+        raise StoreError(f"weight store URI {uri!r} must be file:///abs/dir or s3://bucket/prefix")
+    if scheme == "file" and not rest.startswith("/"):
+        raise StoreError(f"weight store URI {uri!r}: a file:// path must be absolute")
+
+
 class WeightStore:
     """Weight objects of one run under a root URI.
 
@@ -92,16 +105,13 @@ class WeightStore:
     """
 
     def __init__(self, uri: str, run: str, **options: Any):
-        scheme, sep, rest = uri.partition("://")
-        if not sep or scheme not in ("file", "s3") or not rest:
-            raise StoreError(f"weight store URI {uri!r} must be file:///abs/dir or s3://bucket/prefix")
+        check_store_uri(uri)
+        scheme, _, rest = uri.partition("://")
         if "/" in run or not run:
             raise StoreError(f"run name {run!r} must be a non-empty path component")
         self.uri, self.run = uri.rstrip("/"), run
         try:
             if scheme == "file":
-                if not rest.startswith("/"):
-                    raise StoreError(f"weight store URI {uri!r}: a file:// path must be absolute")
                 Path(rest).mkdir(parents=True, exist_ok=True)
                 self._store = from_url(uri, mkdir=True, automatic_cleanup=True)  # deleted versions leave no empty dirs
             else:

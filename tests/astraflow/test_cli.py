@@ -23,6 +23,11 @@ from astraflow.cli import app
     ("policies.actor.model=/nonexistent", "/nonexistent is not an HF model directory"),
     ("data.sources=[{name: nosuchdataset}]", "unknown prompt source 'nosuchdataset': neither a built-in"),
     ("bus=kafka://127.0.0.1:1", "cannot use bus kafka://127.0.0.1:1: cannot reach Kafka at 127.0.0.1:1"),
+    ("store=ftp://x", "store: weight store URI 'ftp://x' must be file:///abs/dir or s3://bucket/prefix"),
+    ("store=file://relative/dir", "store: weight store URI 'file://relative/dir': a file:// path must be absolute"),
+    # two files both named train.*, or one source twice: the same prompt ids, one's records dropped as duplicates
+    ("data.sources=[{name: arith}, {name: arith, limit: 5}]",
+     "sources[0] (arith) and sources[1] (arith) share the source name 'arith', which every prompt_id is made of"),
 ])
 def test_run_preflight_rejects_bad_config(tmp_path, override, message):
     result = CliRunner().invoke(app, ["run", "examples/arith-tiny.yaml", f"run_dir={tmp_path}", override])

@@ -111,6 +111,20 @@ def test_bad_inputs_give_clear_errors(tmp_path):
         load_source("math500", adapter="nope")
 
 
+def test_lines_json_cannot_hold_in_python_cost_their_record_only(tmp_path):
+    """Python's json refuses an integer of over 4,300 digits (a ValueError, not a JSONDecodeError) and nesting
+    deeper than its stack (a RecursionError): each such line is one bad record, not the whole file's loss."""
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "x", "answer": ' + "9" * 5000 + "}\n"
+                    + "[" * 100_000 + "\n" + '{"problem": "2+2?", "answer": "4"}\n')
+    src = load_source(str(path))
+    assert src[0].answer == "2" and src[3].answer == "4"
+    with pytest.raises(SourceError, match=r"deep.jsonl:2: not readable JSON \(ValueError: Exceeds the limit \(4300 "):
+        src[1]
+    with pytest.raises(SourceError, match=r"deep.jsonl:3: not readable JSON \(RecursionError: maximum recursion"):
+        src[2]
+
+
 def test_a_saved_hf_dataset_directory(tmp_path):
     try:
         import datasets
