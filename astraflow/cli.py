@@ -70,9 +70,10 @@ def _component_setup(name: str, cfg) -> threading.Event:
 def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Run a whole RL run on this machine: acquisition, RaaS workers, filter processors and trainers
     as separate processes, with a live view. Ends with a JSON summary line
-    {"run", "steps", "versions", "reward_first", "reward_last", "wall_s"}, where reward_first and
-    reward_last are the mean training reward over the first and the last 20% of trainer steps;
-    metrics.jsonl and reward_curve.png are written to the run directory."""
+    {"run", "complete", "restarts", "steps", "versions", "reward_first", "reward_last", "dead_letters",
+    "wall_s"} ("interrupted" too after Ctrl-C or SIGTERM), where reward_first and reward_last are the mean
+    training reward over the first and the last 20% of trainer steps; metrics.jsonl and reward_curve.png are
+    written to the run directory. Exits 1 when the run did not complete, 2 when its config is refused."""
     from astraflow.launcher import Launcher, preflight
     from astraflow.tracker import TrackingUnavailable
     from topics.bus import BusError
@@ -100,7 +101,9 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
 def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Write the config's prompt sources to the run's `prompts` topic (through the curators, if any).
     Remembers how far it got: a restart does not resend. A bad record is logged (path:line and why),
-    written to `deadletter` and skipped; with `data.strict=true` it exits 1 with that message instead."""
+    written to `deadletter` and skipped; with `data.strict=true` it exits 3 (EXIT_BAD_INPUT) with that message
+    instead, and `astraflow run` does not restart it (it would stop at the same record)."""
+    from astraflow.launcher import EXIT_BAD_INPUT
     from producers.acquisition import acquire_run
     from producers.sources import SourceError
 
@@ -110,7 +113,7 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
         sent = acquire_run(cfg, stop)
     except SourceError as e:
         typer.echo(f"acquisition stopped: {e}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_BAD_INPUT)
     logging.getLogger("astraflow").info("acquisition done: %d prompts sent", sent)
 
 

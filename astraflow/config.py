@@ -449,7 +449,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             raise ConfigError(f"config file {p} is a directory; give a YAML file (see examples/)" if p.is_dir()
                               else f"config file {p} does not exist")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 ({e.reason} at byte {e.start})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):

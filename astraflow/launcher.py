@@ -80,6 +80,8 @@ class Component:
 
 #: kinds whose exit code 0 means their work is done (acquisition sent its prompts, a trainer reached its steps)
 DONE_KINDS = ("acquire", "trainer")
+#: a component's exit status when its input is bad and a restart would meet it again (acquisition with data.strict)
+EXIT_BAD_INPUT = 3
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -330,8 +332,8 @@ class Launcher:
 
     def _write_components(self) -> None:
         """``components.json`` in the run directory: per component its ``pid`` (the live or last process),
-        ``exit_code`` (None while it runs) and ``restarts``; rewritten atomically at each start and at
-        the end, so operators and fault tools can find the live processes."""
+        ``exit_code`` (None while it runs) and ``restarts``; rewritten atomically at each start, each exit and
+        at the end, so operators and fault tools can find the live processes."""
         codes = {c.name: {"pid": c.proc.pid if c.proc else None,
                           "exit_code": c.proc.poll() if c.proc else None, "restarts": c.restarts}
                  for c in self.components}
@@ -369,6 +371,7 @@ class Launcher:
                 continue
             c.reported = True
             _kill_group(c.proc)  # what it left running: torchrun's ranks, a vLLM server's engine core
+            self._write_components()  # its exit code, for operators and fault tools
             if self.stopping or c.retired or (code == 0 and c.kind in DONE_KINDS):
                 continue
             # The others run until the launcher stops them: exit 0 means a SIGTERM from elsewhere, and the run
@@ -376,6 +379,10 @@ class Launcher:
             console.print(f"[bold red]component {c.name} "
                           + ("stopped (exit code 0) while the run goes on" if code == 0 else f"died with exit code {code}")
                           + f"[/]; last lines of {c.log}:\n{_tail(c.log)}")
+            if code == EXIT_BAD_INPUT:
+                console.print(f"[bold red]{c.name} stopped on bad input; a restart would stop there again[/]")
+                failed.append(c)
+                continue
             if now - c.started_at >= HEALTHY_S:
                 c.in_a_row = 0
             if c.in_a_row >= MAX_RESTARTS:

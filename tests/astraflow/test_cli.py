@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from astraflow.cli import app
+from astraflow.launcher import EXIT_BAD_INPUT
 
 
 @pytest.mark.parametrize("override, message", [
@@ -97,7 +98,7 @@ def test_acquire_with_strict_data_exits_non_zero_at_the_first_bad_record(tmp_pat
                               cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
 
     strict = acquire(f"run_dir={tmp_path / 'strict'}", "data.strict=true")
-    assert strict.returncode == 1 and "Traceback" not in strict.stderr, strict.stderr
+    assert strict.returncode == EXIT_BAD_INPUT == 3 and "Traceback" not in strict.stderr, strict.stderr
     assert strict.stderr.strip().splitlines()[-1] == \
         f"acquisition stopped: {data}:2: not JSON (Expecting ',' delimiter: line 1 column 8 (char 7))"
     lenient = acquire(f"run_dir={tmp_path / 'lenient'}")
