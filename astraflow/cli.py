@@ -56,12 +56,12 @@ def _component_setup(name: str, cfg) -> threading.Event:
     from astraflow.placement import apply_placement
 
     placed = apply_placement()  # before anything starts a thread
+    stop = threading.Event()  # before anything that takes time: a SIGTERM during start-up stops cleanly too
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
     logging.getLogger("astraflow").info("%s on %s", name, placed)
     _admin(cfg).ensure_run_topics(TopicNames(cfg.run), list(cfg.policies))
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     watch_launcher(name, stop)
     return stop
 
