@@ -44,10 +44,6 @@ from topics.schemas import Metric, PolicyState, Prompt, RolloutOutcome, Trajecto
 
 log = logging.getLogger(__name__)
 
-#: seconds ``astraflow policy`` lets one attempt of a batch take (``FilterProcessor``'s ``step_deadline_s``):
-#: above the ~150 s that its bounded calls can add up to
-STEP_DEADLINE_S = 200.0
-
 
 def _metric(component: str, policy: str, counts: Counter) -> Metric:
     return Metric(component=component, kind="policy", policy=policy,
@@ -77,7 +73,7 @@ class FilterProcessor:
             (the new producer fences the wedged one's transaction). Each call in a batch is bounded (sends 60 s,
             commit and abort 30 s each), so only a wedge (a hung filter, a client call that never returns)
             reaches it. Process-wide: for a processor that owns its process (``astraflow policy`` sets
-            :data:`STEP_DEADLINE_S`); None (the default) sets none.
+            ``policies.<p>.filter_processor.step_deadline_s``); None (the default) sets none.
 
     Attributes:
         totals: counts since start: ``consumed``, ``kept``, ``dropped``,
@@ -188,6 +184,8 @@ class FilterProcessor:
                     last_read = time.monotonic()
                 elif self.consumer.assignment():
                     self.reader_watch.check(last_read)
+                else:
+                    last_read = self.reader_watch.note_unassigned()
             self.metrics_interval_s = 0.0
             if self.pending:
                 patiently(f"{self.component}: transaction", self._step_or_recover, log=log)
@@ -196,10 +194,10 @@ class FilterProcessor:
 
     def _step_or_recover(self) -> int:
         """:meth:`step`, after recovering from a failed transaction: a fresh transactional producer with the
-        same ``transactional.id`` (its initialisation fences the old one and aborts what it left open) and
-        the consumer rewound to the aborted batch's first offsets on the partitions it still owns (a
-        partition that moved is re-read by its new owner from the committed offsets). Nothing of an
-        aborted transaction is visible, so the batch is processed exactly once. Runs under
+        same ``transactional.id`` (its initialisation fences the old one and completes or aborts what it left
+        open) and the consumer rewound, on the partitions it still owns, to the group's committed offsets (past
+        the batch if the transaction in doubt committed; else where the batch started). A partition that moved
+        is re-read by its new owner from the committed offsets. So the batch is processed exactly once. Runs under
         ``step_deadline_s``."""
         if self.step_deadline_s is not None:
             faulthandler.dump_traceback_later(self.step_deadline_s, exit=True, file=sys.stderr)
@@ -218,9 +216,12 @@ class FilterProcessor:
             self.producer = self.bus.producer(transactional_id=self.transactional_id)
             self.reader.producer = self.producer
             owned = set(self.consumer.assignment())
-            for tp, offset in self._batch_start.items():
-                if tp in owned:
-                    self.consumer.seek(tp, offset)
+            batch = {tp: offset for tp, offset in self._batch_start.items() if tp in owned}
+            # The failed transaction may have committed (a commit in doubt, settled by the new producer): resume
+            # from the group's committed offsets, which moved past the batch only then.
+            committed = self.consumer.committed(list(batch)) if batch else {}
+            for tp, offset in batch.items():
+                self.consumer.seek(tp, committed[tp] if committed.get(tp) is not None else offset)
             self._broken = False
         try:
             return self.step()

@@ -123,7 +123,9 @@ class Producer(abc.ABC):
         """Commit the transaction, atomically with ``consumer``'s group ``offsets`` when given.
 
         Raises:
-            BusError: the commit failed; the transaction was aborted and its records are not visible.
+            BusError: the commit failed: the transaction was aborted and its records are not visible, or (the
+                message says "in doubt") its outcome is unknown until a new producer with the same
+                ``transactional_id`` settles it; the group's committed offsets then tell whether it committed.
         """
 
     @abc.abstractmethod

@@ -175,21 +175,42 @@ class KafkaProducer(Producer):
             raise _txn_error("cannot begin a transaction", e) from None
 
     def commit_transaction(self, consumer=None, offsets=None, timeout_s: float = 30.0) -> None:
+        """Per librdkafka's transactional API: a call that fails with a retriable error (a timeout) is made
+        again until ``timeout_s`` has passed; one whose error requires an abort is aborted. A commit still
+        failing retriably at the deadline is in doubt (it may yet complete, and an abort would conflict with
+        it): a :class:`BusError` says so and the producer is left to be replaced (a new producer with this
+        ``transactional.id`` completes or aborts the transaction; the group's committed offsets then tell
+        which)."""
+        deadline = time.monotonic() + timeout_s
+
+        def retried(call):
+            while True:
+                try:
+                    return call(max(0.1, deadline - time.monotonic()))
+                except KafkaException as e:
+                    if not e.args[0].retriable() or time.monotonic() >= deadline:
+                        raise
+
         try:
             if consumer is not None and offsets:
                 assert isinstance(consumer, KafkaConsumer), "offsets must come from a Kafka consumer"
-                self._p.send_offsets_to_transaction(
-                    [_tp(tp, off) for tp, off in offsets.items()],
-                    consumer._c.consumer_group_metadata(),
-                    timeout_s,
-                )
-            self._p.commit_transaction(timeout_s)
+                tps, group = [_tp(tp, off) for tp, off in offsets.items()], consumer._c.consumer_group_metadata()
+                retried(lambda left: self._p.send_offsets_to_transaction(tps, group, left))
+            retried(self._p.commit_transaction)
             self._raise_failures()
         except KafkaException as e:
-            if e.args[0].fatal():
+            err = e.args[0]
+            if err.fatal():
                 raise _txn_error("transaction failed", e) from None
-            self.abort_transaction(timeout_s)
-            raise BusError(f"transaction aborted: {e}") from None
+            if err.retriable():
+                raise BusError(f"transaction in doubt: still failing after {timeout_s:.0f} s ({err}); a new producer "
+                               f"with this transactional.id settles it") from None
+            try:
+                self.abort_transaction(timeout_s)
+            except BusError as abort_error:
+                raise BusError(f"transaction failed ({err}) and so did its abort ({abort_error}): in doubt; a new "
+                               f"producer with this transactional.id settles it") from None
+            raise BusError(f"transaction aborted: {err}") from None
 
     def abort_transaction(self, timeout_s: float = 30.0) -> None:
         try:
