@@ -5,6 +5,7 @@ commands (``acquire``, ``raas``, ``policy``, ``trainer``) start one part each,
 for multi-machine deployments: each takes the same CONFIG plus ``key=value``
 overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
 """
+import faulthandler
 import json
 import logging
 import os
@@ -48,14 +49,16 @@ def _admin(cfg):
 def _component_setup(name: str, cfg) -> threading.Event:
     """Logging for a component process, the run's topics (created if missing, so components can start
     in any order on any machine), and a stop event set by SIGTERM / SIGINT, and also, in a component
-    that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launcher.watch_launcher`). The
-    process first pins itself to the CPUs the launcher placed it on (:func:`astraflow.placement.apply_placement`)."""
+    that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launcher.watch_launcher`). SIGUSR1
+    writes every thread's stack to the log (:func:`faulthandler.register`). The process first pins itself to the CPUs the launcher placed it on (:func:`astraflow.placement.apply_placement`)."""
     from astraflow.launcher import watch_launcher
     from topics.names import TopicNames
 
     from astraflow.placement import apply_placement
 
     placed = apply_placement()  # before anything starts a thread
+    # SIGUSR1 writes every thread's stack to the log: the launcher sends it before killing a wedged component
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     stop = threading.Event()  # before anything that takes time: a SIGTERM during start-up stops cleanly too
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -149,7 +152,7 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     they share the partitions of consumer group `filter.<policy>`; SIGTERM stops one after its batch."""
     from astraflow.launcher import policy_component
     from policies.base import Filter
-    from policies.processor import STEP_DEADLINE_S, FilterProcessor
+    from policies.processor import FilterProcessor
     from policies.registry import build_chain
     from topics.bus import connect
 
@@ -166,7 +169,7 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     filters = build_chain(cfg.policies[policy].filters, Filter)
     FilterProcessor(connect(cfg.bus, cfg.kafka), cfg.run, policy, filters, instance=str(instance),
                     max_records=fp.max_records, linger_s=fp.linger_s, metrics_interval_s=fp.metrics_interval_s,
-                    session_timeout_s=fp.session_timeout_s, step_deadline_s=STEP_DEADLINE_S).run(stop)
+                    session_timeout_s=fp.session_timeout_s, step_deadline_s=fp.step_deadline_s).run(stop)
 
 
 @app.command()

@@ -89,6 +89,10 @@ class FilterProcessorConfig(_Strict):
     metrics_interval_s: float = Field(default=5.0, gt=0, description="seconds between metrics records")
     session_timeout_s: float = Field(default=10.0, gt=0, description="seconds before a killed processor's "
                                      "partitions move to the others")
+    step_deadline_s: float = Field(default=200.0, gt=0, description="seconds one batch (poll, filters, sends, "
+                                   "commit; its bounded calls add up to ~150 s) may take before the processor writes "
+                                   "its stacks to its log and exits to be restarted; astraflow run also kills a "
+                                   "processor that leaves records waiting at unmoved committed offsets for 40 s more")
 
 
 #: ``sglang.launch_server`` arguments the SGLang engine sets itself (``sglang.launch_args`` must not repeat them)

@@ -55,6 +55,12 @@ MAX_RESTARTS = 5          # restarts in a row per component before the run fails
 RESTART_BACKOFF_S = (1.0, 30.0)  # first back-off, doubling up to the second
 HEALTHY_S = 60.0          # a component that ran this long before dying starts a new row of restarts
 VIEW_JOIN_S = 150.0       # > one live-view round with the bus down: lags (10 s metadata + 30 s offsets), members (30 s), watchdog lags (40 s)
+#: seconds past its batch deadline (``policies.<p>.filter_processor.step_deadline_s``, which covers a wedge inside a
+#: batch) that a filter processor may leave records of ``trajectories.<p>`` waiting at unmoved committed offsets
+#: before the launcher kills it as wedged; this covers the rest (start-up, a client call between batches, a stopped
+#: process)
+FILTER_WEDGE_MARGIN_S = 40.0
+FILTER_CHECK_S = 30.0     # seconds between two looks at the filter processors' committed offsets
 
 
 @dataclass
@@ -316,6 +322,9 @@ class Launcher:
         self._publish_seen: dict[str, tuple[int, bool]] = {}  # policy -> (publish errors, failing) last told
         #: set by the watchdog (view thread) when a trainer can get no more data; the run then fails with it
         self.data_exhausted: str | None = None
+        #: policy -> the filter group's committed offsets on trajectories.<p> and since when they have not moved
+        self._filter_seen: dict[str, tuple[dict[int, int | None], float]] = {}
+        self._filter_looked = 0.0
 
     def _start(self, comp: Component) -> None:
         comp.log.parent.mkdir(parents=True, exist_ok=True)
@@ -482,6 +491,7 @@ class Launcher:
                     live.update(monitor.table(f"run {self.cfg.run}  {time.monotonic() - t0:.0f} s"))
                     last = time.monotonic()
                 self._watchdog(monitor)
+                self._watch_filters(monitor)
                 self._publish_alerts(monitor)
                 self._read_target(monitor.bus)
                 if trouble:
@@ -561,6 +571,45 @@ class Launcher:
             console.print(f"[bold yellow]watchdog: trainer.{p} has been at version {version} for {now - since:.0f} s;"
                           f"[/] samples.{p} lag {samples} (committed), trajectories.{p} lag {filtered}; "
                           + (held or "no RaaS worker reports a pause"))
+
+    def _watch_filters(self, monitor: RunMonitor) -> None:
+        """Every ``FILTER_CHECK_S``: a policy whose filter group has left records of ``trajectories.<p>`` waiting at
+        the same committed offsets for its ``filter_processor.step_deadline_s`` + ``FILTER_WEDGE_MARGIN_S`` seconds
+        has a wedged filter processor (seen: a
+        librdkafka ``send_offsets_to_transaction`` that never returned after a broker restart). Its live
+        processors get SIGUSR1 (each writes its threads' stacks to its log: what was blocked) and then SIGKILL;
+        supervision restarts them from the committed offsets (their transactional producers fence the killed
+        ones). A bus that does not answer is not a wedge: the clocks start again."""
+        now = time.monotonic()
+        if now - self._filter_looked < FILTER_CHECK_S:
+            return
+        self._filter_looked = now
+        for p in self.cfg.policies:
+            group, topic = self.names.filter_group(p), self.names.trajectories(p)
+            try:
+                committed = monitor.admin.group_offsets(group, topic)
+                lag = sum(monitor.admin.group_lag(group, topic).values())
+            except BusError:
+                self._filter_seen.clear()
+                return
+            seen, since = self._filter_seen.get(p, (None, now))
+            if lag <= 0 or committed != seen:
+                self._filter_seen[p] = (committed, now)
+                continue
+            live = [c for c in self.components if c.kind == "policy" and c.name.split(".")[1] == p
+                    and c.proc is not None and c.proc.poll() is None]
+            bound = self.cfg.policies[p].filter_processor.step_deadline_s + FILTER_WEDGE_MARGIN_S
+            if now - since < bound or not live:
+                continue
+            console.print(f"[bold red]watchdog: {lag} records of {topic} have waited at the same committed offsets "
+                          f"of {group} for {now - since:.0f} s: killing {', '.join(c.name for c in live)} as wedged "
+                          f"(stacks in their logs); it restarts from those offsets[/]")
+            for c in live:
+                c.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            for c in live:
+                c.proc.kill()
+            self._filter_seen[p] = (committed, now)
 
     def _starved(self, monitor: RunMonitor, policy: str, lags: dict, stalled_s: float, step_s: float | None) -> bool:
         """Whether trainer ``policy`` can get no more data: acquisition has finished, every prompt has been rolled

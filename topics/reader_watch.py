@@ -37,6 +37,20 @@ class ReaderWatch:
         self.every_s, self.stuck_s = every_s, stuck_s
         self._looked = 0.0
         self._behind: tuple[dict[TopicPartition, int | None], float] = ({}, 0.0)
+        self._unassigned: tuple[float, float] | None = None  # (since, last logged) while no partition is assigned
+
+    def note_unassigned(self) -> float:
+        """Called while the consumer holds no partition of the topic (a rebalance, a group that never assigns it
+        any): log it at most every ``every_s`` seconds, with for how long; returns now (``time.monotonic()``),
+        so that the caller's idleness restarts once partitions come."""
+        now = time.monotonic()
+        since, logged = self._unassigned if self._unassigned is not None else (now, now)
+        if now - logged >= self.every_s:
+            self.log.warning("%s: no partition of %s assigned for %.0f s (waiting for the consumer group)", self.who,
+                             self.topic, now - since)
+            logged = now
+        self._unassigned = (since, logged)
+        return now
 
     def check(self, idle_since: float) -> None:
         """Look at the positions if nothing was read since ``idle_since`` (``time.monotonic()`` seconds) for
@@ -50,6 +64,7 @@ class ReaderWatch:
                 seconds; the message names each partition's position and end.
         """
         now = time.monotonic()
+        self._unassigned = None
         if now - idle_since < self.every_s or now - self._looked < self.every_s:
             return
         self._looked = now

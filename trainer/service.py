@@ -137,7 +137,6 @@ class TrainerService:
         self.barrier = VersionBarrier(self.bus, self.names, cfg.barrier_peers) if cfg.barrier_peers else None
         self._pending: list[TrainedBatch] = []  # steps since the last checkpoint
         self._committed: dict = {}
-        self._unassigned_logged = time.monotonic()
         self._store_logged = 0.0
         self._publish_alerted: tuple[int, int | None] = (0, None)  # (publish errors, version while failing)
         self._progress_sent: tuple[int, int, bool, bool] | None = None
@@ -228,7 +227,7 @@ class TrainerService:
                     if not self.consumer.assignment():
                         # Waiting for the group to hand over partitions is not idleness: a restarted
                         # member may wait out a rebalance before it can see any data.
-                        last_data = self._note_unassigned()
+                        last_data = self.reader_watch.note_unassigned()
                     else:
                         self.reader_watch.check(last_data)
                         if cfg.idle_exit_s is not None and time.monotonic() - last_data > cfg.idle_exit_s:
@@ -315,16 +314,6 @@ class TrainerService:
                         "failing; see the publisher's warnings)", self.config.trainer.policy, self.trainer.version,
                         durable)
         return behind
-
-    def _note_unassigned(self) -> float:
-        """Log, at most every 30 s, that no partition of ``samples.<policy>`` is assigned; returns now."""
-        now = time.monotonic()
-        if now - self._unassigned_logged >= 30.0:
-            self._unassigned_logged = now
-            log.warning("trainer %s: waiting for partitions of %s from consumer group %s (none assigned)",
-                        self.config.trainer.policy, self.names.samples(self.config.trainer.policy),
-                        self.names.trainer_group(self.config.trainer.policy))
-        return now
 
     def close(self) -> None:
         """Leave the consumer group, stop reading announcements and flush the producer."""

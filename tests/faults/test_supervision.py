@@ -1,5 +1,5 @@
 """`astraflow run` supervises: a component killed with SIGKILL, or stopped from outside with SIGTERM, is
-restarted and the run still reaches its steps, training no group twice and losing no committed prompt (on both
+restarted, and a filter processor stopped with SIGSTOP (wedged) is killed and restarted; the run still reaches its steps, training no group twice and losing no committed prompt (on both
 buses); a run whose data ran out says so; a run that did not reach its steps exits non-zero."""
 import json
 import os
@@ -28,11 +28,13 @@ def component_pid(run_dir: Path, name: str) -> int | None:
 
 @pytest.mark.slow
 def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url):
-    # One run: SIGTERM the RaaS worker (it stops cleanly, exit 0: still not the run's end), then SIGKILL
-    # acquisition, the filter processor and the trainer, 8 steps apart.
+    # One run: SIGTERM the RaaS worker (it stops cleanly, exit 0: still not the run's end), SIGKILL acquisition,
+    # SIGSTOP the filter processor (a wedge: the launcher kills it once records have waited at its unmoved
+    # committed offsets for step_deadline_s + 40 s), SIGKILL the trainer, 8 steps apart.
     run, run_dir = f"sup{uuid.uuid4().hex[:8]}", tmp_path / "run"
     args = ["examples/arith-tiny.yaml", f"run={run}", f"run_dir={run_dir}", f"bus={bus_url}",
-            f"policies.actor.steps={STEPS}", "policies.actor.checkpoint_every=5"]
+            f"policies.actor.steps={STEPS}", "policies.actor.checkpoint_every=5",
+            "policies.actor.filter_processor.step_deadline_s=20"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launcher = subprocess.Popen([sys.executable, "-m", "astraflow", "run", *args], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -43,13 +45,16 @@ def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url
             wait_for_steps(launcher, run_dir, 8 * (i + 1), deadline)
             pid = component_pid(run_dir, name)
             assert pid is not None, name
-            os.kill(pid, signal.SIGTERM if name == "raas-0" else signal.SIGKILL)
+            os.kill(pid, {"raas-0": signal.SIGTERM, "policy.actor": signal.SIGSTOP}.get(name, signal.SIGKILL))
     except BaseException:
         launcher.kill()
         raise
     summary, err = finish(launcher, run_dir, STEPS, 400)
     assert summary["restarts"] == 4 and all(f"restarted {c}" in err for c in components), summary
     assert "component raas-0 stopped (exit code 0) while the run goes on" in err
+    flat = " ".join(err.split())  # the console wraps its lines
+    assert re.search(r"watchdog: \d+ records of \S+ have waited at the same committed offsets of \S+ for \d+ s: "
+                     r"killing policy\.actor as wedged", flat), err[-3000:]
     # no group trained twice, no committed prompt without its group, across the restarts
     assert_exactly_once(run, run_dir, STEPS, bus_url)
 
