@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Optional
@@ -57,8 +58,9 @@ def _component_setup(name: str, cfg) -> threading.Event:
     from astraflow.placement import apply_placement
 
     placed = apply_placement()  # before anything starts a thread
-    # SIGUSR1 writes every thread's stack to the log: the launcher sends it before killing a wedged component
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # SIGUSR1 writes every thread's stack to the log (the process's own stderr, not a replaced sys.stderr): the
+    # launcher sends it before killing a wedged component
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     stop = threading.Event()  # before anything that takes time: a SIGTERM during start-up stops cleanly too
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

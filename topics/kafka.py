@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping, TypeVar
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -104,6 +104,47 @@ def _txn_error(what: str, e: KafkaException) -> BusError:
     return (FatalBusError if err.fatal() else BusError)(f"{what}: {err}")
 
 
+T = TypeVar("T")
+
+
+class _StillRunning(Exception):
+    """A :func:`_bounded` call had not returned at its bound (its thread is left behind, blocked)."""
+
+
+def _bounded(name: str, fn: Callable[[], T], timeout_s: float) -> T:
+    """``fn()`` on a daemon thread named ``name``, waited for ``timeout_s`` seconds, for librdkafka calls that can
+    block past any timeout of their own: a synchronous consumer commit has none, and a transactional producer's
+    ``send_offsets_to_transaction`` waits for ever on a group coordinator that went down during the call, even
+    once the broker is back (librdkafka #5456; seen here after a broker restart).
+
+    Returns:
+        What ``fn`` returned; what it raised is raised.
+
+    Raises:
+        _StillRunning: ``fn`` had not returned after ``timeout_s`` seconds; the client it uses must be given up.
+    """
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise _StillRunning(name)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+#: seconds past its deadline that a transaction's commit may take before its producer is given up as wedged
+TXN_GRACE_S = 10.0
+
+
 def _check_result(what: str, result: Iterable[_TP]) -> None:
     for tp in result:
         if tp.error is not None:
@@ -128,6 +169,7 @@ class KafkaProducer(Producer):
         if transactional_id:
             conf["transactional.id"] = transactional_id
         self._p = _Producer(conf)
+        self._wedged: str | None = None  # a transactional call that never returned: the producer is unusable
         self._failures: list[tuple[str, bytes | None, str]] = []
         self._transactional = bool(transactional_id)
         if self._transactional:
@@ -169,6 +211,7 @@ class KafkaProducer(Producer):
             raise DeliveryError(failures)
 
     def begin_transaction(self) -> None:
+        self._check_wedged()
         try:
             self._p.begin_transaction()
         except KafkaException as e:
@@ -180,7 +223,10 @@ class KafkaProducer(Producer):
         failing retriably at the deadline is in doubt (it may yet complete, and an abort would conflict with
         it): a :class:`BusError` says so and the producer is left to be replaced (a new producer with this
         ``transactional.id`` completes or aborts the transaction; the group's committed offsets then tell
-        which)."""
+        which). The calls run on a helper thread (:func:`_bounded`): past ``timeout_s`` + ``TXN_GRACE_S`` the
+        producer is wedged, the transaction is in doubt too, and every later transactional call raises at once.
+        """
+        self._check_wedged()
         deadline = time.monotonic() + timeout_s
 
         def retried(call):
@@ -191,13 +237,21 @@ class KafkaProducer(Producer):
                     if not e.args[0].retriable() or time.monotonic() >= deadline:
                         raise
 
-        try:
+        def commit() -> None:
             if consumer is not None and offsets:
                 assert isinstance(consumer, KafkaConsumer), "offsets must come from a Kafka consumer"
                 tps, group = [_tp(tp, off) for tp, off in offsets.items()], consumer._c.consumer_group_metadata()
                 retried(lambda left: self._p.send_offsets_to_transaction(tps, group, left))
             retried(self._p.commit_transaction)
+
+        try:
+            _bounded("commit-transaction", commit, timeout_s + TXN_GRACE_S)
             self._raise_failures()
+        except _StillRunning:
+            self._wedged = (f"a transaction's commit has not returned in {timeout_s + TXN_GRACE_S:.0f} s (librdkafka "
+                            f"#5456: a coordinator request that outlives its timeout)")
+            raise BusError(f"transaction in doubt: {self._wedged}; a new producer with this transactional.id "
+                           f"settles it") from None
         except KafkaException as e:
             err = e.args[0]
             if err.fatal():
@@ -212,7 +266,12 @@ class KafkaProducer(Producer):
                                f"producer with this transactional.id settles it") from None
             raise BusError(f"transaction aborted: {err}") from None
 
+    def _check_wedged(self) -> None:
+        if self._wedged:
+            raise BusError(f"this producer is given up: {self._wedged}")
+
     def abort_transaction(self, timeout_s: float = 30.0) -> None:
+        self._check_wedged()
         try:
             self._p.abort_transaction(timeout_s)
         except KafkaException as e:
@@ -352,30 +411,21 @@ class KafkaConsumer(Consumer):
         if not offsets:
             return
         # librdkafka's synchronous commit has no timeout, and one made as the broker stops can wait forever,
-        # even after the broker is back (seen: a trainer blocked in rd_kafka_commit_queue for minutes). It
-        # runs in a thread; past the bound the consumer is given up (FatalBusError: a restart makes a new one).
-        done: dict = {}
-
-        def run() -> None:
-            try:
-                done["result"] = self._c.commit(offsets=[_tp(tp, off) for tp, off in offsets.items()],
-                                                asynchronous=False)
-            except KafkaException as e:
-                done["error"] = e
-
-        worker = threading.Thread(target=run, name=f"commit-{self.group}", daemon=True)
-        worker.start()
-        worker.join(timeout_s)
-        if worker.is_alive():
+        # even after the broker is back (seen: a trainer blocked in rd_kafka_commit_queue for minutes). Past the
+        # bound the consumer is given up (FatalBusError: a restart makes a new one).
+        try:
+            result = _bounded(f"commit-{self.group}", lambda: self._c.commit(
+                offsets=[_tp(tp, off) for tp, off in offsets.items()], asynchronous=False), timeout_s)
+        except _StillRunning:
             raise FatalBusError(f"commit for group {self.group} did not complete in {timeout_s:.0f} s; this consumer "
-                                "is given up")
-        if "error" in done:
-            err = done["error"].args[0]
+                                "is given up") from None
+        except KafkaException as e:
+            err = e.args[0]
             # _FATAL: the consumer is unusable, e.g. a static member fenced by its own rejoin after a
             # coordinator failover (FENCED_INSTANCE_ID); only a new consumer (a restart) helps.
             kind = FatalBusError if err.fatal() or err.code() == KafkaError._FATAL else BusError
-            raise kind(f"commit refused for group {self.group}: {done['error']}") from None
-        _check_result("commit", done.get("result") or [])
+            raise kind(f"commit refused for group {self.group}: {e}") from None
+        _check_result("commit", result or [])
 
     def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:
         try:
