@@ -31,7 +31,7 @@ class PolicyView:
     staleness: float | None = None
     publish_errors: int = 0  # failed weight publishes so far (the trainer's alerts)
     publish_failing: bool = False
-    durable_version: int | None = None
+    durable_version: int | None = None  # the newest version stored and announced (from the trainer's metrics)
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, reward mean)
 
 
@@ -104,6 +104,8 @@ class RunMonitor:
                 v.kl = m.values.get("kl", v.kl)
                 v.tokens_per_s = m.values.get("tokens_per_s", v.tokens_per_s)
                 v.step_s = m.values.get("step_s", v.step_s)
+                if "durable_version" in m.values:
+                    v.durable_version = int(m.values["durable_version"])
                 v.staleness = m.values.get("staleness_mean", v.staleness)
                 if "reward_mean" in m.values and self.keep:
                     v.history.append((v.step, m.values["reward_mean"]))

@@ -241,6 +241,9 @@ class TrainerService:
                 metrics.update(barrier_wait_s=barrier_s, replayed=batch.replayed, dropped_stale=batch.dropped_stale,
                                duplicates=batch.duplicates, rejected=batch.rejected,
                                dropped_stale_total=self.serving.total_dropped_stale)
+                durable = self.trainer.publisher.durable_version if self.trainer.publisher is not None else None
+                if durable is not None:  # the newest version stored and announced (publishes run behind the steps)
+                    metrics["durable_version"] = durable
                 self.metrics.emit(self.trainer.version, metrics)
                 self._pending.append(TrainedBatch(policy=self.config.trainer.policy, version=self.trainer.version,
                                                   group_ids=[g.group_id for g in fresh],
