@@ -60,7 +60,7 @@ VIEW_JOIN_S = 150.0       # > one live-view round with the bus down: lags (10 s 
 #: before the launcher kills it as wedged; this covers the rest (start-up, a client call between batches, a stopped
 #: process)
 FILTER_WEDGE_MARGIN_S = 40.0
-FILTER_CHECK_S = 30.0     # seconds between two looks at the filter processors' committed offsets
+FILTER_CHECK_S = 10.0     # seconds between two looks at the filter processors' committed offsets
 
 
 @dataclass

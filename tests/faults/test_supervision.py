@@ -34,7 +34,7 @@ def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url
     run, run_dir = f"sup{uuid.uuid4().hex[:8]}", tmp_path / "run"
     args = ["examples/arith-tiny.yaml", f"run={run}", f"run_dir={run_dir}", f"bus={bus_url}",
             f"policies.actor.steps={STEPS}", "policies.actor.checkpoint_every=5",
-            "policies.actor.filter_processor.step_deadline_s=20"]
+            "policies.actor.filter_processor.step_deadline_s=10"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launcher = subprocess.Popen([sys.executable, "-m", "astraflow", "run", *args], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
