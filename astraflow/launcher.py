@@ -574,10 +574,10 @@ class Launcher:
 
     def _watch_filters(self, monitor: RunMonitor) -> None:
         """Every ``FILTER_CHECK_S``: a policy whose filter group has left records of ``trajectories.<p>`` waiting at
-        the same committed offsets for its ``filter_processor.step_deadline_s`` + ``FILTER_WEDGE_MARGIN_S`` seconds
-        has a wedged filter processor (seen: a
-        librdkafka ``send_offsets_to_transaction`` that never returned after a broker restart). Its live
-        processors get SIGUSR1 (each writes its threads' stacks to its log: what was blocked) and then SIGKILL;
+        the same committed offsets for its ``filter_processor.step_deadline_s`` + ``FILTER_WEDGE_MARGIN_S`` seconds,
+        all of them with its processors running (a restarted one gets the whole bound), has a wedged filter
+        processor (seen: a filter that read nothing for 10 min after a broker restart). Its live processors get
+        SIGUSR1 (each writes its threads' stacks to its log: what was blocked) and then SIGKILL;
         supervision restarts them from the committed offsets (their transactional producers fence the killed
         ones). A bus that does not answer is not a wedge: the clocks start again."""
         now = time.monotonic()
@@ -599,7 +599,7 @@ class Launcher:
             live = [c for c in self.components if c.kind == "policy" and c.name.split(".")[1] == p
                     and c.proc is not None and c.proc.poll() is None]
             bound = self.cfg.policies[p].filter_processor.step_deadline_s + FILTER_WEDGE_MARGIN_S
-            if now - since < bound or not live:
+            if not live or now - max(since, *(c.started_at for c in live)) < bound:
                 continue
             console.print(f"[bold red]watchdog: {lag} records of {topic} have waited at the same committed offsets "
                           f"of {group} for {now - since:.0f} s: killing {', '.join(c.name for c in live)} as wedged "

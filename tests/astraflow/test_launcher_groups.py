@@ -3,6 +3,7 @@ component leads its own session) before restarting it, as with the ranks of a SI
 processes: a shell that starts two children, killed with SIGKILL."""
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -90,3 +91,73 @@ def test_the_watchdog_names_workers_held_by_an_operators_pause_or_throttle(tmp_p
     assert "watchdog: trainer.actor has been at version" in line
     assert "paused: raas-1 (reason in their logs); held by astraflow control: raas-0 (paused), raas-1 (throttled)" \
         in line, line
+
+
+def test_a_filter_processor_whose_offsets_do_not_move_is_killed_as_wedged_after_its_bound(tmp_path, monkeypatch):
+    """Records wait on ``trajectories.actor`` at committed offsets that have not moved for the bound
+    (``step_deadline_s`` + ``FILTER_WEDGE_MARGIN_S``): the live filter processor (a real process) is killed. One
+    started within the bound (a restart) is not, and neither is one whose group has nothing waiting."""
+    import io
+
+    from rich.console import Console
+
+    import astraflow.launcher as launcher_mod
+    from astraflow.monitor import RunMonitor
+    from topics.bus import connect
+    from topics.names import TopicNames
+
+    example = ROOT / "examples" / "arith-tiny.yaml"
+    cfg = load_config(example, [f"run_dir={tmp_path}", f"bus=local://{tmp_path / 'bus'}",
+                                "policies.actor.filter_processor.step_deadline_s=5"])
+    bus, names = connect(cfg.bus), TopicNames(cfg.run)
+    bus.admin().ensure_run_topics(names, list(cfg.policies))
+    monitor = RunMonitor(bus, names, list(cfg.policies), cfg.workflow.name)
+    launcher = Launcher(cfg, example, [])
+    out = io.StringIO()
+    monkeypatch.setattr(launcher_mod, "console", Console(file=out, width=400))
+    # a stand-in that, like every component, writes its stacks on SIGUSR1
+    wedged = "import faulthandler, signal, time; faulthandler.register(signal.SIGUSR1, all_threads=True); " \
+             "print('ready', flush=True); time.sleep(300)"
+    comp = Component("policy.actor", [sys.executable, "-c", wedged], tmp_path / "policy.log")
+    launcher.components = [comp]
+    launcher._start(comp)
+    deadline = time.monotonic() + 30
+    while "ready" not in comp.log.read_text():
+        assert time.monotonic() < deadline and comp.proc.poll() is None, "the stand-in did not start"
+        time.sleep(0.05)
+    bound = 5 + launcher_mod.FILTER_WEDGE_MARGIN_S
+
+    def look(waited_s: float) -> None:
+        """One look, with the offsets last seen moving ``waited_s`` seconds ago."""
+        launcher._filter_looked = 0.0
+        launcher._filter_seen = {p: (offsets, time.monotonic() - waited_s)
+                                 for p, (offsets, _) in launcher._filter_seen.items()}
+        launcher._watch_filters(monitor)
+
+    try:
+        launcher._watch_filters(monitor)  # nothing waits: never a wedge
+        comp.started_at -= 2 * bound
+        look(2 * bound)
+        assert comp.proc.poll() is None and "wedged" not in out.getvalue()
+
+        producer = bus.producer()
+        for i in range(3):
+            producer.send(names.trajectories("actor"), b"x", key=f"g{i}")
+        producer.flush()
+        launcher._watch_filters(monitor)  # records wait: the clock starts
+        comp.started_at = time.monotonic() - bound + 5  # (re)started within the bound
+        look(2 * bound)
+        assert comp.proc.poll() is None and "wedged" not in out.getvalue()
+        look(bound - 5)  # running past the bound, but the offsets moved within it
+        assert comp.proc.poll() is None and "wedged" not in out.getvalue()
+        comp.started_at -= 10
+        look(bound + 1)
+        assert comp.proc.wait(timeout=10) == -signal.SIGKILL
+        assert ("watchdog: 3 records of " + names.trajectories("actor") + " have waited at the same committed "
+                "offsets of " + names.filter_group("actor")) in out.getvalue()
+        assert "killing policy.actor as wedged" in out.getvalue()
+        assert 'File "<string>", line 1 in <module>' in comp.log.read_text()  # its stack, from SIGUSR1
+    finally:
+        monitor.close()
+        if comp.proc.poll() is None:
+            comp.proc.kill()
