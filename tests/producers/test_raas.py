@@ -3,8 +3,10 @@ still yields exactly one accepted group downstream (de-duplicated by group_id). 
 mid-batch within seconds, committing exactly the prompts it wrote groups for. A prompt too long for
 the model goes to deadletter and the worker moves past it. A single_turn batch is one generate call,
 writing the groups a rollout per prompt writes; an interrupted one writes and commits nothing."""
+import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,9 +109,9 @@ def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_m
 def test_sigterm_mid_batch_stops_within_seconds_and_commits_exactly_the_written_prompts(tmp_path, tiny_model_dir):
     """A batch of 8 prompts x 32 samples of up to 1500 tokens at temperature 20 (EOS is rare) takes seconds to
     tens of seconds, in one generate call whose groups are written together at its end; SIGTERM once the first
-    batch is committed, in the second batch, stops the worker within 5 s and drops that whole batch. The
-    committed prompts are exactly those with a group; a second worker then rolls out the rest: one group per
-    prompt, none twice."""
+    batch is committed, in the second batch, stops that batch within 5 s (the time of the worker's "stopped
+    mid-batch" line) and drops it whole; the worker then exits 0. The committed prompts are exactly those with a
+    group; a second worker then rolls out the rest: one group per prompt, none twice."""
     n_prompts = 16
     path = tmp_path / "run.yaml"
     path.write_text(f"""
@@ -138,14 +140,22 @@ raas: {{batch_prompts: 8, max_inflight_groups: 100000}}
             assert time.monotonic() < deadline, "the first batch was not committed"
             time.sleep(0.05)
         time.sleep(0.5)  # the worker is polling or rolling out its second batch
-        signalled = time.monotonic()
+        signalled = datetime.datetime.now()
         worker.send_signal(signal.SIGTERM)
-        assert worker.wait(5) == 0, (tmp_path / "raas-0.log").read_text()[-2000:]
-        print(f"stopped {time.monotonic() - signalled:.2f} s after SIGTERM")
+        # the process exits cleanly; its exit (closing the bus, unloading torch) is bounded loosely: CI's two
+        # cores are shared with another test run
+        assert worker.wait(30) == 0, (tmp_path / "raas-0.log").read_text()[-2000:]
+        print(f"exited {(datetime.datetime.now() - signalled).total_seconds():.2f} s after SIGTERM")
     finally:
         if worker.poll() is None:
             worker.kill()
-    assert "stopped mid-batch" in (tmp_path / "raas-0.log").read_text()
+    log_text = (tmp_path / "raas-0.log").read_text()
+    stopped = re.search(r"^(\S+ \S+) raas-0 producers.raas INFO raas-0: stopped mid-batch", log_text, re.M)
+    assert stopped, log_text[-2000:]
+    # the stop took effect within a decode step: well before the batch (tens of seconds) could have ended
+    took = (datetime.datetime.strptime(stopped[1], "%Y-%m-%d %H:%M:%S,%f") - signalled).total_seconds()
+    print(f"stopped mid-batch {took:.2f} s after SIGTERM")
+    assert took < 5
     written = [g.prompt_id for g in read_all(bus, topic)]
     committed = bus.admin().group_offsets(group, names.prompts)
     prompts = [(r, decode(r.value, Prompt)) for r in read_topic(bus, names.prompts)]
