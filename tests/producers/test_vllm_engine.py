@@ -4,6 +4,7 @@ server itself from the store (a full snapshot, then a sparse delta), changes wha
 holds; a wrong checksum is refused with the old weights kept."""
 import threading
 import uuid
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -30,6 +31,25 @@ def server(tiny_model_dir, tmp_path_factory):
     with VLLMServer(tiny_model_dir, log, dtype="float32", max_model_len=256) as s:
         s.wait_healthy(600)
         yield s
+
+
+def descendants(pid: int) -> list[str]:
+    """The command lines of every live process below ``pid`` (read from /proc)."""
+    parent, cmdline = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        parent[int(stat.parent.name)] = int(fields[1])
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        found += kids
+        todo += kids
+    return [cmdline[c][:120] for c in found]
 
 
 def recompute(model, batch, gens, temperature):
@@ -111,6 +131,16 @@ def test_hf_engine_logprobs_match_the_trainer_after_an_update(tiny_model_dir):
     engine.load_weights(state, 1)
     model.load_state_dict(state)
     assert max_gap(model, batch, engine.generate(batch, SAMPLING)) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_server_is_two_processes_its_worker_in_the_engine_core(server):
+    """The running server: the API server and one engine-core child (and multiprocessing's resource tracker), no
+    third process for the worker (vLLM's CPU platform would add one for a ``uni`` executor unless
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    children = [c for c in descendants(server.proc.pid) if "multiprocessing.resource_tracker" not in c]
+    assert len(children) == 1 and children[0].startswith("VLLM::EngineCore"), children
+    assert "multiproc_executor" not in server.log_path.read_text(errors="replace")
 
 
 def test_one_worker_runs_in_the_engine_core_unless_the_args_ask_for_parallelism():
