@@ -6,6 +6,7 @@ for multi-machine deployments: each takes the same CONFIG plus ``key=value``
 overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
 """
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -68,6 +69,9 @@ def _component_setup(name: str, cfg) -> threading.Event:
     logging.getLogger("astraflow").info("%s on %s", name, placed)
     _admin(cfg).ensure_run_topics(TopicNames(cfg.run), list(cfg.policies))
     watch_launcher(name, stop)
+    # Everything imported so far (torch, transformers: ~10^6 objects) lives as long as the process: out of the
+    # collector's sight, its full collections and the one at exit skip it (1 s of CPU less per exit, measured)
+    gc.freeze()
     return stop
 
 

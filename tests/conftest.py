@@ -11,6 +11,7 @@ listener (SCRAM-SHA-512 over TLS), its credentials in the ``ASTRAFLOW_KAFKA_*``
 environment variables (``scripts/kafka-local.sh secure-env``), which the test's
 subprocesses inherit.
 """
+import gc
 import os
 import socket
 import subprocess
@@ -31,6 +32,12 @@ def _require_kafka() -> str:
     except OSError as e:
         pytest.fail(f"no Kafka broker at {KAFKA} ({e}); start one with scripts/kafka-local.sh start")
     return f"kafka://{KAFKA}"
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, our modules) lives for the session: out of the garbage
+    collector's sight (``gc.freeze``), so its full collections do not walk it again and again."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
