@@ -107,7 +107,7 @@ def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_m
 
 
 def test_sigterm_mid_batch_stops_within_seconds_and_commits_exactly_the_written_prompts(tmp_path, tiny_model_dir):
-    """A batch of 8 prompts x 32 samples of up to 1500 tokens at temperature 20 (EOS is rare) takes seconds to
+    """A batch of 8 prompts x 16 samples of up to 1500 tokens at temperature 20 (EOS is rare) takes seconds to
     tens of seconds, in one generate call whose groups are written together at its end; SIGTERM once the first
     batch is committed, in the second batch, stops that batch within 5 s (the time of the worker's "stopped
     mid-batch" line) and drops it whole; the worker then exits 0. The committed prompts are exactly those with a
@@ -120,7 +120,7 @@ run_dir: {tmp_path / 'run'}
 bus: local://{tmp_path / 'bus'}
 policies:
   actor: {{model: {tiny_model_dir}}}
-data: {{sources: [{{name: arith, limit: {n_prompts}}}], n_samples: 32}}
+data: {{sources: [{{name: arith, limit: {n_prompts}}}], n_samples: 16}}
 sampling: {{max_new_tokens: 1500, temperature: 20.0}}
 raas: {{batch_prompts: 8, max_inflight_groups: 100000}}
 """)
