@@ -588,7 +588,7 @@ class Launcher:
             group, topic = self.names.filter_group(p), self.names.trajectories(p)
             try:
                 committed = monitor.admin.group_offsets(group, topic)
-                lag = sum(monitor.admin.group_lag(group, topic).values())
+                lag = sum(monitor.admin.group_lag(group, topic, committed).values())
             except BusError:
                 self._filter_seen.clear()
                 return

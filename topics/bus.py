@@ -250,11 +250,14 @@ class Admin(abc.ABC):
     def group_offsets(self, group: str, topic: str) -> dict[int, int | None]:
         """Per partition, ``group``'s committed offset on ``topic`` (None where nothing is committed)."""
 
-    def group_lag(self, group: str, topic: str) -> dict[int, int]:
-        """Per partition, end offset minus ``group``'s committed offset (from the start where none)."""
+    def group_lag(self, group: str, topic: str, committed: dict[int, int | None] | None = None) -> dict[int, int]:
+        """Per partition, end offset minus ``group``'s committed offset (from the start where none).
+        ``committed``: the group's offsets (:meth:`group_offsets`) when the caller has just read them (None:
+        read here)."""
         ends = self.end_offsets(topic)
         starts = self.start_offsets(topic)
-        committed = self.group_offsets(group, topic)
+        if committed is None:
+            committed = self.group_offsets(group, topic)
         return {p: end - (committed.get(p) if committed.get(p) is not None else starts.get(p, 0))
                 for p, end in ends.items()}
 
