@@ -71,8 +71,8 @@ class FilterProcessor:
             it the process writes every thread's stack to stderr and exits with status 1
             (:func:`faulthandler.dump_traceback_later`), so that its supervisor restarts it from what it committed
             (the new producer fences the wedged one's transaction). Each call in a batch is bounded (sends 60 s,
-            abort 30 s, commit 30 s + ``topics.kafka.TXN_GRACE_S``), so only a wedge (a hung filter, a client call that never returns)
-            reaches it. Process-wide: for a processor that owns its process (``astraflow policy`` sets
+            abort 30 s, commit 30 s + ``topics.kafka.TXN_GRACE_S``), so only a wedge (a hung filter, a client
+            call that never returns) reaches it. Process-wide: for a processor that owns its process (``astraflow policy`` sets
             ``policies.<p>.filter_processor.step_deadline_s``); None (the default) sets none.
 
     Attributes:

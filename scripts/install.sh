@@ -11,12 +11,12 @@
 # Refresh the locks with scripts/lock.sh (a deliberate commit).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/venv_stamp.sh
 profile=dev
-compile=eager
 for arg in "$@"; do
   case "$arg" in
-    --lazy-bytecode) compile=lazy ;;
-    -*) echo "[install] unknown option '$arg' (options: --lazy-bytecode)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) bytecode_option "$arg" || { echo "[install] unknown option '$arg' (options: --lazy-bytecode, --help)" >&2; exit 2; } ;;
     *) profile="$arg" ;;
   esac
 done
@@ -38,20 +38,15 @@ if ! command -v bwrap >/dev/null 2>&1; then
   fi
 fi
 py="${PYTHON:-python3}"
-stamp=".venv/.astraflow-lock"
 want="$profile-$(cat "$lock" setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
-# the stamp is "<want> eager|lazy": a lazy install is enough for --lazy-bytecode, only an eager one otherwise
-have="$(cat "$stamp" 2>/dev/null || true)"
-if [ -x .venv/bin/python ] && { [ "$have" = "$want eager" ] || { [ "$compile" = lazy ] && [ "$have" = "$want lazy" ]; }; }; then
+if venv_current .venv "$want"; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 echo "[install] $lock into .venv (torch is large: this can take several minutes)" >&2
-rm -f "$stamp"
+rm -f .venv/.astraflow-lock
 # --compile-bytecode: every process would otherwise compile what it imports from source (torch alone
 # ~3 s of CPU), and again in each process where PYTHONDONTWRITEBYTECODE is set.
-bytecode=(--compile-bytecode)
-[ "$compile" = eager ] || bytecode=()
-scripts/uv.sh pip sync --python .venv/bin/python --require-hashes "${bytecode[@]}" "$lock"
+scripts/uv.sh pip sync --python .venv/bin/python --require-hashes $(bytecode_flags) "$lock"
 scripts/uv.sh pip install --python .venv/bin/python --no-deps -e .
-echo "$want $compile" > "$stamp"
+venv_stamp .venv "$want"

