@@ -385,6 +385,49 @@ def tracker(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     tracking.run(stop)
 
 
+@app.command("search-server")
+def search_server(
+    port: int = typer.Option(0, "--port", help="the port; 0: a free one"),
+    host: str = typer.Option("127.0.0.1", "--host", help="the address to bind"),
+    corpus: Optional[Path] = typer.Option(None, "--corpus", help="JSONL corpus, {doc_id, text} a line "
+                                                                 "(default: producers/data/search_kb.jsonl)"),
+    median_s: float = typer.Option(0.0, "--median-s", help="median latency per request, seconds (0: none)"),
+    p99_s: float = typer.Option(0.0, "--p99-s", help="99th percentile latency, seconds (log-normal)"),
+    hang: float = typer.Option(0.0, "--hang", help="probability a request never answers in time"),
+    error: float = typer.Option(0.0, "--error", help="probability of an HTTP 500"),
+    garbage: float = typer.Option(0.0, "--garbage", help="probability of an HTTP 200 whose body is not JSON"),
+    hang_s: float = typer.Option(3600.0, "--hang-s", help="seconds a hung request sleeps"),
+    seed: int = typer.Option(0, "--seed", help="seed of the latency and fault draws"),
+) -> None:
+    """Serve the search tool (producers/search_server.py): GET /search?q=TEXT&k=N (BM25 over the corpus, in SQLite
+    FTS5) and GET /health, with seeded latency and faults. Prints `search server: serving URL (N documents)` once
+    ready; runs until SIGTERM. `astraflow run` starts it as the component `search` when `tools.search` is set
+    without a url. Exits 2 on a bad option, 3 on a bad corpus, 1 when the port cannot be bound."""
+    from astraflow.launcher import EXIT_BAD_INPUT, watch_launcher
+    from producers.search_server import DEFAULT_CORPUS, Behaviour, SearchServer, serve
+
+    try:
+        behaviour = Behaviour(median_s, p99_s, hang, error, garbage, seed, hang_s)
+    except ValueError as e:
+        typer.echo(f"search-server: {e}", err=True)
+        raise typer.Exit(2)
+    try:
+        server = SearchServer(corpus or DEFAULT_CORPUS, behaviour, host, port)
+    except (FileNotFoundError, ValueError) as e:
+        typer.echo(f"search-server: {e}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s search %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    watch_launcher("search", stop)
+    try:
+        serve(server, stop)
+    except OSError as e:
+        typer.echo(f"search-server: cannot serve on {host}:{port}: {e}", err=True)
+        raise typer.Exit(1)
+
+
 @app.command()
 def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
            policy: str = typer.Option(..., "--policy", help="the policy to retrain"),

@@ -204,6 +204,8 @@ class RaasConfig(_Strict):
                                         "and trainer; at least each policy's batch_groups (else a trainer could "
                                         "starve); None: batch_groups x max(max_staleness, 1) per policy")
     session_timeout_s: float = Field(default=30.0, gt=0, description="seconds before a dead worker's prompts move")
+    max_episodes: int = Field(default=256, ge=1, description="the most samples (episodes) a worker rolls out at "
+                              "once, over every prompt in flight; a prompt starts while fewer are in flight")
 
 
 class EvalConfig(_Strict):
@@ -240,6 +242,75 @@ class TrackingConfig(_Strict):
         if "wandb_mode" in self.model_fields_set and self.wandb_mode is not None and self.wandb_project is None:
             raise ValueError(f"tracking.wandb_mode={self.wandb_mode} applies to W&B: set tracking.wandb_project")
         return self
+
+
+class SearchLatency(_Strict):
+    """The search server's latency per request: log-normal with this median and 99th percentile (seconds;
+    mu = ln(median), sigma = ln(p99 / median) / 2.3263). median_s 0: no delay."""
+
+    median_s: float = Field(default=0.0, ge=0, description="median latency, seconds; 0: no delay")
+    p99_s: float = Field(default=0.0, ge=0, description="99th percentile latency, seconds (>= median_s)")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SearchLatency":
+        if self.median_s == 0 and self.p99_s > 0:
+            raise ValueError(f"p99_s={self.p99_s} with median_s=0 (no delay): set median_s too")
+        if self.p99_s < self.median_s:
+            raise ValueError(f"p99_s ({self.p99_s}) is below median_s ({self.median_s})")
+        return self
+
+
+class SearchFaults(_Strict):
+    """Faults the search server injects, each a probability per request (seeded: ``tools.search.seed``)."""
+
+    hang: float = Field(default=0.0, ge=0, le=1, description="never answer in time (sleep hang_s)")
+    error: float = Field(default=0.0, ge=0, le=1, description="answer HTTP 500 with a text body")
+    garbage: float = Field(default=0.0, ge=0, le=1, description="answer HTTP 200 with a body that is not JSON")
+    hang_s: float = Field(default=3600.0, gt=0, description="seconds a hung request sleeps")
+
+    @model_validator(mode="after")
+    def _at_most_one(self) -> "SearchFaults":
+        if self.hang + self.error + self.garbage > 1 + 1e-9:
+            raise ValueError(f"hang + error + garbage = {self.hang + self.error + self.garbage:g} > 1")
+        return self
+
+
+class SearchToolConfig(_Strict):
+    """The ``search`` tool of agent episodes (:mod:`producers.search_tool`): attach to the server at ``url``, or
+    (no ``url``) ``astraflow run`` starts one, the component ``search`` (``astraflow search-server``,
+    :mod:`producers.search_server`), and passes its URL to the RaaS workers as ``started_url``."""
+
+    url: str | None = Field(default=None, description="attach to a running search server (http://host:port); "
+                            "None: astraflow run starts one")
+    corpus: Path | None = Field(default=None, description="the started server's JSONL corpus ({doc_id, text} a "
+                                "line); None: the built-in producers/data/search_kb.jsonl")
+    port: int | None = Field(default=None, ge=1, le=65535, description="the started server's port; None: a free one")
+    latency: SearchLatency = Field(default_factory=SearchLatency)
+    faults: SearchFaults = Field(default_factory=SearchFaults)
+    seed: int = Field(default=0, description="seed of the started server's latency and fault draws")
+    timeout_s: float = Field(default=5.0, gt=0, description="the client's bound on one call, seconds")
+    top_k: int = Field(default=1, ge=1, description="results per call")
+    started_url: str | None = Field(default=None, description="set by astraflow run for its RaaS workers: the URL of "
+                                    "the server it started (not for users: set url to attach)")
+
+    @property
+    def server(self) -> str | None:
+        """The URL RaaS workers use: ``url``, else ``started_url``."""
+        return self.url or self.started_url
+
+    @model_validator(mode="after")
+    def _attach_or_start(self) -> "SearchToolConfig":
+        started = sorted({"corpus", "port", "latency", "faults", "seed"} & self.model_fields_set)
+        if self.url is not None and started:
+            raise ValueError(f"url attaches to a running server: {', '.join(started)} are for a started one "
+                             "(leave url unset)")
+        return self
+
+
+class ToolsConfig(_Strict):
+    """The tools agent episodes may call."""
+
+    search: SearchToolConfig | None = Field(default=None, description="the search tool; None: no search")
 
 
 class Placement(_Strict):
@@ -355,6 +426,7 @@ class RunConfig(_Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     curators: list[dict[str, Any]] = Field(default_factory=list)
     raas: RaasConfig = Field(default_factory=RaasConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     exporter: ExporterConfig = Field(default_factory=ExporterConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)

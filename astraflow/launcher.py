@@ -1,8 +1,10 @@
 """The single-machine launcher behind ``astraflow run``.
 
 It starts each component as its own process (acquisition, N RaaS workers, one
-filter processor and one trainer per policy, and a vLLM server per policy whose
-``engine: vllm`` names no ``vllm.url``), each with a log file in ``<run_dir>/logs``. It never calls them: they meet on the bus and the store.
+filter processor and one trainer per policy, a vLLM server per policy whose
+``engine: vllm`` names no ``vllm.url``, and the search tool's server ``search`` when
+``tools.search`` names no ``url``: the others start once it answers ``/health``), each
+with a log file in ``<run_dir>/logs``. It never calls them: they meet on the bus and the store.
 A live view shows step, version, reward, KL, throughput, lag and staleness.
 
 The run ends when every trainer has produced its ``steps`` versions (or after
@@ -61,6 +63,7 @@ VIEW_JOIN_S = 150.0       # > one live-view round with the bus down: lags (10 s 
 #: process)
 FILTER_WEDGE_MARGIN_S = 40.0
 FILTER_CHECK_S = 10.0     # seconds between two looks at the filter processors' committed offsets
+SEARCH_STARTUP_S = 120.0  # seconds the search server may take to answer /health (it indexes its corpus first)
 
 
 @dataclass
@@ -78,6 +81,8 @@ class Component:
     restart_at: float | None = None  # monotonic time of a scheduled restart
     retired: bool = False  # stopped on purpose (scaled down): not restarted, not a failure
     env: dict[str, str] | None = None  # its whole environment (None: the launcher's, see Launcher._start)
+    #: a server's URL: the components after it start once ``GET <ready_url>/health`` answers (Launcher.run)
+    ready_url: str | None = None
 
     @property
     def kind(self) -> str:
@@ -184,13 +189,36 @@ def vllm_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[s
     return comps, urls
 
 
+def search_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[str]]:
+    """The search tool's server, component ``search`` (``astraflow search-server``), when ``tools.search`` is set
+    with no ``url``, on ``tools.search.port`` (None: a free port); and the override that points RaaS workers at it
+    (``tools.search.started_url=http://127.0.0.1:<port>``)."""
+    s = cfg.tools.search
+    if s is None or s.url is not None:
+        return [], []
+    from producers.vllm_server import free_port
+
+    port = s.port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "astraflow", "search-server", "--port", str(port),
+            "--median-s", repr(s.latency.median_s), "--p99-s", repr(s.latency.p99_s),
+            "--hang", repr(s.faults.hang), "--error", repr(s.faults.error), "--garbage", repr(s.faults.garbage),
+            "--hang-s", repr(s.faults.hang_s), "--seed", str(s.seed),
+            *(["--corpus", str(s.corpus)] if s.corpus is not None else [])]
+    return [Component("search", argv, logs / "search.log", ready_url=url)], [f"tools.search.started_url={url}"]
+
+
 def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[Component]:
-    """The processes of a run, in start order: vLLM servers, trainers and filters, then RaaS, then acquisition, then
+    """The processes of a run, in start order: the search server when ``tools.search`` is set without a ``url``,
+    vLLM servers, trainers and filters, then RaaS, then acquisition, then
     the scaling controller when ``controller.enabled``, then the Prometheus exporter when ``exporter.port`` is
     set, then the TensorBoard/W&B tracker when ``tracking.tensorboard_dir`` or ``tracking.wandb_project`` is
     set."""
     logs = cfg.run_dir / "logs"
-    comps, vllm_urls = vllm_components(cfg, logs)
+    comps, server_urls = search_components(cfg, logs)
+    vllm, vllm_urls = vllm_components(cfg, logs)
+    comps += vllm
+    server_urls += vllm_urls
     for p in cfg.policies:
         comps.append(Component(f"trainer.{p}", trainer_argv(cfg.policies[p].trainer.ranks, config_path, overrides, p),
                                logs / f"trainer.{p}.log"))
@@ -199,7 +227,7 @@ def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> 
             comps.append(Component(name, component_argv("policy", config_path, overrides, "--policy", p,
                                                          "--instance", str(i)), logs / f"{name}.log"))
     for i in range(cfg.raas.workers):
-        comps.append(Component(f"raas-{i}", component_argv("raas", config_path, [*overrides, *vllm_urls],
+        comps.append(Component(f"raas-{i}", component_argv("raas", config_path, [*overrides, *server_urls],
                                                             "--worker-id", str(i)), logs / f"raas-{i}.log"))
     comps.append(Component("acquire", component_argv("acquire", config_path, overrides), logs / "acquire.log"))
     if cfg.controller.enabled:
@@ -290,6 +318,14 @@ def preflight(cfg: RunConfig) -> None:
                 raise PolicyConfigError(e.policy, f"{e.reason} (policies.{name}.{field})", e.param) from None
         if pc.model != "tiny":
             resolve_model(pc.model)
+    search = cfg.tools.search
+    if search is not None and search.url is None:  # the corpus the launched search server indexes
+        from producers.search_server import DEFAULT_CORPUS, load_corpus
+
+        try:
+            load_corpus(search.corpus or DEFAULT_CORPUS)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"tools.search.corpus: {e}") from None
     require_packages(cfg.tracking)
     if cfg.controller.enabled:  # the controller's actuator: its compose file, or Kubernetes credentials
         from astraflow.actuators import ActuatorError, build_actuator
@@ -339,6 +375,26 @@ class Launcher:
         comp.started_at = time.monotonic()
         self._write_components()
 
+    def _wait_ready(self, comp: Component, timeout_s: float = SEARCH_STARTUP_S) -> None:
+        """Wait until started server ``comp`` answers ``GET <ready_url>/health``.
+
+        Raises:
+            RuntimeError: it exited first, or did not answer within ``timeout_s`` (then it is killed); the
+                message names the component and carries its log's tail.
+        """
+        from producers.vllm_server import wait_healthy
+
+        try:
+            waited = wait_healthy(comp.ready_url, timeout_s, alive=lambda: comp.proc.poll() is None,
+                                  what=f"component {comp.name}", log=console.print)
+        except RuntimeError as e:
+            comp.proc.kill()
+            comp.proc.wait()
+            _kill_group(comp.proc)
+            self._write_components()
+            raise RuntimeError(f"{e}; last lines of {comp.log}:\n{_tail(comp.log)}") from None
+        console.print(f"{comp.name} answers at {comp.ready_url} (after {waited:.1f} s)")
+
     def _write_components(self) -> None:
         """``components.json`` in the run directory: per component its ``pid`` (the live or last process),
         ``exit_code`` (None while it runs) and ``restarts``; rewritten atomically at each start, each exit and
@@ -349,10 +405,11 @@ class Launcher:
         atomic_write(self.cfg.run_dir / "components.json", json.dumps(codes, indent=1))
 
     def _stop_all(self, grace_s: float = 60.0) -> None:
-        """SIGTERM every live component, the inference servers last (their clients stop first, so no
+        """SIGTERM every live component, the servers (vLLM, search) last (their clients stop first, so no
         request in flight loses its server); each tier has ``grace_s`` seconds before it is killed."""
         live = [c for c in self.components if c.proc and c.proc.poll() is None]
-        for tier in ([c for c in live if c.kind != "vllm"], [c for c in live if c.kind == "vllm"]):
+        servers = ("vllm", "search")
+        for tier in ([c for c in live if c.kind not in servers], [c for c in live if c.kind in servers]):
             for c in tier:
                 c.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
@@ -419,6 +476,8 @@ class Launcher:
         t0 = time.monotonic()
         for c in self.components:
             self._start(c)
+            if c.ready_url is not None:
+                self._wait_ready(c)
         console.print(f"run [bold]{cfg.run}[/] in {cfg.run_dir}: {len(self.components)} components "
                       f"(logs in {cfg.run_dir / 'logs'}); bus {cfg.bus}; store {cfg.store}")
         interrupted, failed = False, []

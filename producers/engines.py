@@ -111,6 +111,10 @@ class Engine(abc.ABC):
     #: True for an engine whose server reads new weight versions from the store itself (``pull(store_uri, run,
     #: policy, version, sha256)``, :class:`producers.vllm_engine.VLLMEngine`) instead of :meth:`load_weights`.
     pulls_from_store: bool = False
+    #: The most :meth:`generate` calls in flight at once (:class:`producers.engine_batcher.EngineBatcher`): 1 for an
+    #: in-process engine, which batches the requests pending at each call; more for a server that batches
+    #: concurrent requests continuously itself.
+    concurrent_calls: int = 1
 
     #: Set by each engine's ``__init__``: the policy's tokenizer, and the version it holds (see the properties).
     _tokenizer: Any = None

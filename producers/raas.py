@@ -24,19 +24,27 @@ A prompt that does not fit a policy's model (its tokens plus ``sampling.max_new_
 ``max_position_embeddings``, see :meth:`RaasWorker.oversize`) is not rolled out: it goes to ``deadletter``
 with the reason (counted as ``too_long_total`` on ``metrics``), and its offset is committed with the batch.
 
-Batching: a workflow that batches (``single_turn``, :attr:`~producers.workflows.Workflow.batches`) rolls the
-whole batch out in one :meth:`~producers.workflows.Workflow.run_batch` call, one ``generate`` per engine over
-every prompt's G copies; other workflows get one call per prompt.
+Episodes: the worker is an episode scheduler on an asyncio loop. Each polled prompt starts a rollout task
+(its G samples are episodes of their own, coroutines of the workflow, :mod:`producers.workflows`), and up
+to ``raas.max_episodes`` samples are in flight at once. Engine calls of all episodes are batched
+(:class:`~producers.engine_batcher.EngineBatcher`: the HF engine runs one call over every request pending
+when it is free; vLLM gets concurrent requests), tool calls (:mod:`producers.search_tool`) and rewards run
+beside them, and new weights are loaded between two engine calls without draining the episodes in flight
+(each token keeps the version that sampled it). A prompt's groups are written as soon as its samples are
+done, in any order; per partition, offsets are committed only up to the lowest prompt still open
+(:class:`~producers.prompt_ledger.PromptLedger`), after the writes are flushed.
 
-Stopping (SIGTERM): :meth:`RaasWorker.run` stops within a decode step, even mid-batch. The stop event is
-checked before each prompt and each call, and is every engine's :attr:`~producers.engines.Engine.interrupt`,
-so a generation in progress is dropped (:class:`~producers.engines.GenerationInterrupted`; SGLang and vLLM
-requests run to their end). Nothing is written for the interrupted call (for a batching workflow: nothing of
-the batch); what earlier calls produced is flushed and per partition only the offsets of the prompts before
-the first one not handled are committed: the rest of the batch is delivered again, to this group's next owner.
+Stopping (SIGTERM): :meth:`RaasWorker.run` stops within a decode step. The stop event is every engine's
+:attr:`~producers.engines.Engine.interrupt`, so a generation in progress is dropped
+(:class:`~producers.engines.GenerationInterrupted`; vLLM requests run to their end); the episodes in flight
+are cancelled and nothing is written for them; what finished is flushed and per partition only the
+offsets below the first prompt not finished are committed: the rest is delivered again, to this group's
+next owner.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -44,9 +52,11 @@ from pathlib import Path
 
 from astraflow.config import RunConfig
 from astraflow.models import resolve_model
+from producers.engine_batcher import EngineBatcher
 from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, SamplingParams
 from producers.hf_engine import HFEngine
-from producers.workflows import get_workflow, prompt_ids
+from producers.prompt_ledger import PromptLedger
+from producers.workflows import Tool, get_workflow, prompt_ids
 from topics.bus import Bus, BusError, Record, TopicPartition, connect
 from topics.patience import patiently
 from topics.codec import encode, headers_for
@@ -83,6 +93,20 @@ def make_engine(cfg: RunConfig, policy: str) -> Engine:
                              "a running server (`astraflow run` starts one and tells its workers)")
         return VLLMEngine(pc.vllm.server, resolve_model(pc.model), startup_timeout_s=pc.vllm.startup_timeout_s)
     return HFEngine(resolve_model(pc.model))
+
+
+def make_tools(cfg: RunConfig) -> dict[str, Tool]:
+    """The tools the run's episodes call, by name: ``search`` (:class:`producers.search_tool.SearchTool`) when
+    ``tools.search`` is configured, at its ``url`` (the service ``astraflow run`` started, or an external one)."""
+    search = cfg.tools.search
+    if search is None:
+        return {}
+    if search.server is None:
+        raise ValueError("tools.search.url is not set: a RaaS worker started by hand needs the URL of a running "
+                         "search server (`astraflow run` starts one and tells its workers)")
+    from producers.search_tool import SearchTool
+
+    return {"search": SearchTool(search.server, timeout_s=search.timeout_s, top_k=search.top_k)}
 
 
 def context_length(model_dir: str | Path) -> int | None:
@@ -141,6 +165,15 @@ class RaasWorker:
         self._last_metric = 0.0
         self._backpressure_s = 0.0  # seconds held by backpressure since the last metric
         self._state_since = time.monotonic()  # when paused_reason / held_by_control were last set
+        # the episode scheduler: its loop runs while step() does; tools and rewards block on its own threads
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=64,
+                                                                             thread_name_prefix=f"{self.id}-io"))
+        self.batchers = {p: EngineBatcher(e, name=f"{self.id}-{p}") for p, e in self.engines.items()}
+        self.tools: dict[str, Tool] = make_tools(cfg)
+        self.ledger = PromptLedger()
+        self.episodes: dict[asyncio.Task, tuple[Record, int]] = {}  # rollout task -> (its prompt's record, samples)
+        self._loads: dict[str, tuple[concurrent.futures.Future, int]] = {}  # policy -> (a load on its engine, version)
 
     # -- weights and backpressure ---------------------------------------------------------
     def sync_weights(self) -> None:
@@ -149,11 +182,12 @@ class RaasWorker:
 
         A policy's puller is brought forward (download, decode, verify into its host copy) in a thread of
         its own while this worker rolls out with the weights its engine has; a later call hands the
-        new copy to the engine between batches (:meth:`~producers.engines.Engine.load_weights`), and
-        starts the next pull. Over a slow link (a worker in another region) a pull takes seconds of round
-        trips that generation now overlaps; the staleness rules (:meth:`pause_reason`) still judge the
-        engine's version, the one rolled out. A vLLM server that reads the store itself pulls in this
-        thread, as before.
+        new copy to the engine (:meth:`~producers.engines.Engine.load_weights`) on the engine's thread
+        (:meth:`~producers.engine_batcher.EngineBatcher.submit`), so it is loaded between two engine
+        calls, under the episodes in flight, and the next pull starts once it is loaded. Over a slow link
+        (a worker in another region) a pull takes seconds of round trips that generation now overlaps;
+        the staleness rules (:meth:`pause_reason`) still judge the engine's version, the one rolled out.
+        A vLLM server that reads the store itself pulls in this thread, as before.
 
         Failures are logged and retried at a later call: the store could not serve the version
         (:class:`WeightsUnavailable`), or the engine could not load it (:class:`EngineUpdateError`; the
@@ -162,6 +196,17 @@ class RaasWorker:
         for p, puller in self.pullers.items():
             puller.poll()
             engine = self.engines[p]
+            if p in self._loads:
+                loading, version = self._loads[p]
+                if not loading.done():
+                    continue  # the engine takes the copy between two calls: the puller's copy must hold still
+                del self._loads[p]
+                try:
+                    loading.result()
+                    puller.changed = set()
+                    log.info("%s: policy %s now at version %d", self.id, p, engine.version)
+                except EngineUpdateError as e:
+                    log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p, e)
             pulling = self._pulls.get(p)
             if pulling is not None:
                 if pulling.is_alive():
@@ -171,12 +216,9 @@ class RaasWorker:
                     log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p,
                                 self._pull_errors.pop(p))
             if puller.version is not None and puller.version > engine.version:
-                try:
-                    engine.load_weights(puller.state, puller.version)
-                    puller.changed = set()
-                    log.info("%s: policy %s now at version %d", self.id, p, engine.version)
-                except EngineUpdateError as e:
-                    log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p, e)
+                self._loads[p] = (self.batchers[p].submit(engine.load_weights, puller.state, puller.version),
+                                  puller.version)
+                continue
             newest = puller.newest_durable()
             if newest is None or newest <= max(engine.version, puller.version or 0):
                 continue
@@ -324,16 +366,6 @@ class RaasWorker:
                         "(max_position_embeddings)")
         return ""
 
-    def rollout(self, prompt: Prompt) -> list[TrajectoryGroup]:
-        """Run the workflow on ``prompt`` and write its groups and outcomes (not flushed)."""
-        return self.rollout_batch([prompt])[0]
-
-    def rollout_batch(self, prompts: list[Prompt]) -> list[list[TrajectoryGroup]]:
-        """Run the workflow on ``prompts`` in one :meth:`~producers.workflows.Workflow.run_batch` (one engine
-        call per policy for a batching workflow) and then write each prompt's groups and outcomes, in order (not
-        flushed). When the call raises (e.g. :class:`~producers.engines.GenerationInterrupted`) nothing is written."""
-        return [self.write(groups) for groups in self.workflow.run_batch(prompts, self.engines, self.sampling)]
-
     def write(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
         """Send one prompt's ``groups`` (stamped with this worker's ``producer_id``) and their outcomes (not
         flushed); the groups as sent."""
@@ -358,27 +390,34 @@ class RaasWorker:
         send_to_deadletter(self.producer, self.names.deadletter, record, reason, self.consumer.group)
         self.totals["too_long"] += 1
 
-    def step(self, stop: threading.Event | None = None) -> int:
-        """One iteration: sync weights, apply backpressure, roll out one batch, flush, commit.
+    @property
+    def episodes_inflight(self) -> int:
+        """Samples (episodes) being rolled out now, over every prompt in flight."""
+        return sum(n for _, n in self.episodes.values())
 
-        The prompts that fit (:meth:`oversize`) are rolled out together in one
-        :meth:`~producers.workflows.Workflow.run_batch` call when the workflow batches
-        (:attr:`~producers.workflows.Workflow.batches`: one engine call for the whole batch), else one call
-        per prompt, in order. A prompt too long is dead-lettered on its own, before the calls; one behind a
-        prompt to roll out in its partition is dead-lettered once that prompt is written (so that an
-        interrupted call, whose prompts are delivered again, does not dead-letter it twice).
+    def step(self, stop: threading.Event | None = None) -> int:
+        """One tick of the episode scheduler: sync weights, apply backpressure and commands, start the
+        rollout of newly polled prompts, let the episodes run until one prompt finishes (or a short
+        tick passes), write what finished, flush, commit.
+
+        New prompts are polled (at most ``raas.batch_prompts`` a tick) while fewer than ``raas.max_episodes``
+        samples are in flight and nothing holds the worker. A prompt too long for a model (:meth:`oversize`)
+        is dead-lettered, at once when nothing below it in its partition is open, else once everything
+        below it is done (so that a rewound partition does not dead-letter it twice).
 
         Args:
-            stop: checked before each prompt of the batch and before each call. Once it is set, or a call
-                raises :class:`~producers.engines.GenerationInterrupted` (an engine's ``interrupt``), the
-                batch ends there: nothing is written for the call in hand (for a batching workflow, none of
-                the batch's prompts), what was written is flushed, and per partition the commit stops at the
-                first prompt not handled, where this consumer is also seeked back (so it, or the partition's
-                next owner, reads that prompt again).
+            stop: the worker's stop event (also every engine's ``interrupt``). When an engine call is
+                interrupted, every episode in flight is cancelled: nothing is written for them, what
+                finished is flushed, and per partition the commit stops at the first prompt not finished,
+                where this consumer is also seeked back (so it, or the partition's next owner, reads that
+                prompt again).
 
         Returns:
-            Prompts rolled out (0 while paused or idle); dead-lettered ones are not counted.
+            Prompts whose groups were written in this tick (dead-lettered ones are not counted).
         """
+        return self.loop.run_until_complete(self._tick(stop))
+
+    async def _tick(self, stop: threading.Event | None) -> int:
         self.sync_weights()
         now = time.monotonic()
         if self.paused_reason and not self.held_by_control:
@@ -393,62 +432,91 @@ class RaasWorker:
             self.paused_reason = reason
         elif reason:
             self.consumer.pause(assignment)  # partitions assigned since the pause
-        if reason:  # a pause usually ends with a new weight version: wait for one, briefly
+        if reason and not self.episodes:  # a pause usually ends with a new weight version: wait for one, briefly
             for puller in self.pullers.values():
                 puller.poll(timeout_s=0.1 / len(self.pullers))
-        batch = self.prompts.poll(min(self.cfg.raas.batch_prompts, room or self.cfg.raas.batch_prompts),
-                                  0.0 if reason else 0.5)
-        handled = [False] * len(batch)  # rolled out (written) or dead-lettered
-        todo: list[int] = []  # the prompts to roll out, by index in the batch
-        late: list[tuple[int, str]] = []  # too long, behind a prompt of ``todo`` in its partition
-        for i, (record, prompt) in enumerate(batch):
-            if stop is not None and stop.is_set():
-                break
-            too_long = self.oversize(prompt)
-            if not too_long:
-                todo.append(i)
-            elif any(batch[j][0].tp == record.tp for j in todo):
-                late.append((i, too_long))
-            else:  # dead-lettered, flushed before the commit below
-                self._dead_letter(record, too_long)
-                handled[i] = True
-        calls = [todo] if self.workflow.batches and todo else [[i] for i in todo]
-        rolled, started = 0, time.monotonic()
-        for call in calls:
-            if stop is not None and stop.is_set():
-                break
-            try:
-                self.rollout_batch([batch[i][1] for i in call])
-            except GenerationInterrupted:
-                break
-            for i in call:
-                handled[i] = True
-            rolled += len(call)
-        for i, too_long in late:
-            record = batch[i][0]
-            if all(handled[j] for j in todo if j < i and batch[j][0].tp == record.tp):
-                self._dead_letter(record, too_long)
-                handled[i] = True
-        rest: dict[TopicPartition, int] = {}  # per partition, the first record not handled (offset order)
-        for (record, _), done in zip(batch, handled):
-            if not done:
-                rest.setdefault(record.tp, record.offset)
-        for tp, offset in rest.items():
-            self.consumer.seek(tp, offset)
-        if rest:
-            log.info("%s: stopped mid-batch: %d of %d prompts left for redelivery", self.id,
-                     handled.count(False), len(batch))
-        offsets = {**self.prompts.last_offsets, **rest}
-        if offsets:
-            # Durable first, then committed; a failing broker is waited out here, keeping the batch in hand
-            # (records are idempotent; a redelivered prompt would get the same group ids anyway).
-            patiently(f"{self.id}: flush", self.producer.flush, log=log)
-            patiently(f"{self.id}: commit", lambda: self._commit_owned(offsets), log=log)
+        free = self.cfg.raas.max_episodes - self.episodes_inflight
+        if not reason and free > 0 and not (stop is not None and stop.is_set()):
+            per_prompt = max(1, self.cfg.data.n_samples)
+            n = min(self.cfg.raas.batch_prompts, room or self.cfg.raas.batch_prompts, max(1, free // per_prompt))
+            self._admit(self.prompts.poll(n, 0.0 if self.episodes else 0.5))
+            self.ledger.polled(self.prompts.last_offsets)  # dead-lettered undecodable records included
+        rolled = 0
+        if self.episodes:
+            done, _ = await asyncio.wait(self.episodes, timeout=0.2 if free > 0 else 1.0,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.sleep(0)  # the episodes resumed by the same engine call finish too
+            rolled = self._settle()
+        for record, reason in self.ledger.releasable():
+            self._dead_letter(record, reason)
+            self.ledger.done(record)
+        self._commit_ready()
         self.totals["prompts"] += rolled
-        if rolled:
-            self._last_batch = (started, rolled)
         self._maybe_metrics()
         return rolled
+
+    def _admit(self, batch: list[tuple[Record, Prompt]]) -> None:
+        """Start a rollout task for each prompt of ``batch`` that fits, dead-letter (or hold) the others."""
+        started = 0
+        for record, prompt in batch:
+            too_long = self.oversize(prompt)
+            if not too_long:
+                self.ledger.add(record)
+                task = self.loop.create_task(self._rollout(record, prompt), name=f"rollout {prompt.prompt_id}")
+                self.episodes[task] = (record, prompt.n_samples)
+                started += 1
+            elif self.ledger.blocked(record):
+                self.ledger.hold(record, too_long)
+            else:  # dead-lettered, flushed before the commit
+                self._dead_letter(record, too_long)
+        if started:
+            self._last_batch = (time.monotonic(), started)
+
+    async def _rollout(self, record: Record, prompt: Prompt) -> None:
+        """Roll ``prompt`` out (its G episodes concurrently) and write its groups (not flushed)."""
+        groups = await self.workflow.rollout(prompt, self.batchers, self.sampling, self.tools)
+        self.write(groups)
+        self.ledger.done(record)
+
+    def _settle(self) -> int:
+        """Collect the rollout tasks that ended: the prompts written. An interrupted engine call (a stop)
+        cancels every episode in flight and rewinds the ledger (:meth:`step`); any other error is raised."""
+        rolled, interrupted = 0, False
+        for task in [t for t in self.episodes if t.done()]:
+            del self.episodes[task]
+            if task.cancelled():
+                continue
+            error = task.exception()
+            if error is None:
+                rolled += 1
+            elif isinstance(error, GenerationInterrupted):
+                interrupted = True
+            else:
+                raise error
+        if interrupted:
+            self._abandon()
+        return rolled
+
+    def _abandon(self) -> None:
+        """Cancel every episode in flight (nothing is written for them) and seek each partition back to its
+        first prompt not finished; the commit then stops there."""
+        for task in self.episodes:
+            task.cancel()
+        self.episodes.clear()
+        left = len(self.ledger)
+        for tp, offset in self.ledger.rewind().items():
+            self.consumer.seek(tp, offset)
+        log.info("%s: stopped mid-batch: %d prompts left for redelivery", self.id, left)
+
+    def _commit_ready(self) -> None:
+        """Flush what was written, then commit each partition up to its lowest prompt still open. A
+        failing broker is waited out here (records are idempotent; a redelivered prompt would get the
+        same group ids anyway)."""
+        self.ledger.forget(set(self.consumer.assignment()))
+        offsets = self.ledger.commit_offsets()
+        if offsets:
+            patiently(f"{self.id}: flush", self.producer.flush, log=log)
+            patiently(f"{self.id}: commit", lambda: self._commit_owned(offsets), log=log)
 
     def _commit_owned(self, offsets: dict[TopicPartition, int]) -> None:
         """Commit ``offsets`` (prompts) on the partitions this worker still owns (a partition that
@@ -474,6 +542,14 @@ class RaasWorker:
         values["paused_by_control"] = 1.0 if self.held_by_control == "pause" else 0.0
         values["throttled"] = 1.0 if self.held_by_control == "throttle" else 0.0
         values.update({f"version.{p}": float(e.version) for p, e in self.engines.items()})
+        values["episodes_inflight"] = float(self.episodes_inflight)
+        values["prompts_inflight"] = float(len(self.episodes))
+        for p, b in self.batchers.items():  # requests per engine call: how much the episodes share the engine
+            values[f"engine_batch.{p}"] = b.rows / b.calls if b.calls else 0.0
+        for name, tool in self.tools.items():  # each tool's latency percentiles (seconds) and failures
+            values.update({f"tool.{name}.{q}_s": v for q, v in tool.percentiles().items()})
+            values[f"tool.{name}.calls_total"] = float(tool.calls)
+            values[f"tool.{name}.errors_total"] = float(sum(tool.errors.values()))
         metric = Metric(component=self.id, kind="raas", values=values)
         self.producer.send(self.names.metrics, encode(metric), key=self.id, headers=headers_for(metric))
 
@@ -491,13 +567,25 @@ class RaasWorker:
             self.close()
 
     def close(self) -> None:
-        """Flush, leave the group, stop following weights and close the engines (a launched SGLang
-        server is stopped)."""
+        """Give up the episodes in flight (their prompts are not committed: :meth:`step`), flush, commit
+        what finished, leave the group, stop following weights and close the tools and engines (a
+        launched SGLang server is stopped)."""
         try:
+            if self.episodes:
+                self._abandon()
+                self._commit_ready()
             self._last_metric = 0.0
             self._maybe_metrics()
             self.producer.flush()
         finally:
+            self.loop.run_until_complete(asyncio.sleep(0))  # the cancelled episodes unwind
+            for tool in self.tools.values():
+                close = getattr(tool, "close", None)
+                if close is not None:
+                    self.loop.run_until_complete(close())
+            for batcher in self.batchers.values():
+                batcher.close()
+            self.loop.close()
             self.consumer.close()
             self.progress.close()
             self.commands.close()

@@ -45,6 +45,7 @@ class VLLMEngine(Engine):
     """
 
     pulls_from_store = True
+    concurrent_calls = 16  # the server batches concurrent requests continuously
 
     def __init__(self, url: str, model_dir: str | Path, startup_timeout_s: float = 600.0,
                  request_timeout_s: float = 600.0):

@@ -19,19 +19,23 @@ one with ``@register_workflow("name")``.
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Awaitable, Callable, ClassVar, Mapping
 
 import numpy as np
 
+from producers.engine_batcher import EngineBatcher
 from producers.engines import Engine, Generation, SamplingParams
 from producers.rewards import score_many
 from producers.sandbox import SandboxLimits, run_python
 from topics.schemas import Prompt, Sample, TrajectoryGroup
 
 WORKFLOWS: dict[str, type["Workflow"]] = {}
+#: A tool an episode calls: an argument (a query, code) in, the answer the agent sees out, never raising
+#: for a failed tool (:class:`producers.search_tool.SearchTool`).
+Tool = Callable[[str], Awaitable[str]]
 
 
 def register_workflow(name: str) -> Callable[[type["Workflow"]], type["Workflow"]]:
@@ -123,7 +127,13 @@ def _text(engine: Engine, ids: np.ndarray | list[int]) -> str:
 
 
 class Workflow(abc.ABC):
-    """One agent workflow. Subclasses set ``roles`` (role -> default policy name) and implement :meth:`run`.
+    """One agent workflow. Subclasses set ``roles`` (role -> default policy name) and implement :meth:`rollout`.
+
+    A workflow is a coroutine: each of the G samples of a prompt is an episode of its own (gathered
+    with :func:`asyncio.gather`) that awaits engine calls (:class:`~producers.engine_batcher.EngineBatcher`
+    batches them with every other episode's), tool calls and other roles' turns. So an episode waiting
+    on a tool or on another role holds no engine time, and a RaaS worker keeps many in flight
+    (``raas.max_episodes``, :class:`~producers.raas.RaasWorker`).
 
     Args:
         policies: role -> policy name overrides of ``roles``.
@@ -134,6 +144,8 @@ class Workflow(abc.ABC):
 
     name: ClassVar[str] = ""
     roles: ClassVar[dict[str, str]] = {}
+    #: The tools (names in ``tools`` of :meth:`rollout`) the workflow calls; the RaaS worker provides them.
+    tools: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, policies: Mapping[str, str] | None = None) -> None:
         unknown = set(policies or {}) - set(self.roles)
@@ -143,37 +155,39 @@ class Workflow(abc.ABC):
         self.policies = {**self.roles, **(policies or {})}
 
     @abc.abstractmethod
-    def run(self, prompt: Prompt, engines: Mapping[str, Engine], sampling: SamplingParams) -> list[TrajectoryGroup]:
-        """Roll out ``prompt`` G times and return one group per role.
+    async def rollout(self, prompt: Prompt, engines: Mapping[str, EngineBatcher], sampling: SamplingParams,
+                      tools: Mapping[str, Tool]) -> list[TrajectoryGroup]:
+        """Roll out ``prompt`` G times, concurrently, and return one group per role.
 
         Args:
             prompt: the prompt; G is ``prompt.n_samples``.
-            engines: policy name -> engine, covering every policy in :attr:`policies`.
+            engines: policy name -> batcher, covering every policy in :attr:`policies`.
             sampling: sampling parameters for every generation.
+            tools: tool name -> tool, covering :attr:`tools`.
 
         Raises:
-            KeyError: no engine for a policy this workflow needs.
+            KeyError: no engine for a policy this workflow needs, or no tool it calls.
+            GenerationInterrupted: an engine call was interrupted (the whole rollout is dropped).
         """
 
-    def run_batch(self, prompts: list[Prompt], engines: Mapping[str, Engine],
-                  sampling: SamplingParams) -> list[list[TrajectoryGroup]]:
-        """Roll out several prompts: ``[self.run(p, ...) for p in prompts]``, the groups of each prompt in
-        order. A workflow that can share engine calls across prompts overrides it (:attr:`batches`); its
-        groups must be those :meth:`run` makes (ids, rewards, versions), sampling aside. An exception (e.g.
-        :class:`~producers.engines.GenerationInterrupted`) drops the whole call: no groups are returned.
+    def run(self, prompt: Prompt, engines: Mapping[str, Engine], sampling: SamplingParams,
+            tools: Mapping[str, Tool] | None = None) -> list[TrajectoryGroup]:
+        """:meth:`rollout` alone, synchronously, on plain engines (its G samples still run concurrently
+        and share engine calls): for evaluation, benchmarks and tests.
 
         Raises:
-            KeyError: no engine for a policy this workflow needs.
+            As :meth:`rollout`.
         """
-        return [self.run(p, engines, sampling) for p in prompts]
+        async def one() -> list[TrajectoryGroup]:
+            batchers = {p: EngineBatcher(e, name=p) for p, e in engines.items()}
+            try:
+                return await self.rollout(prompt, batchers, sampling, tools or {})
+            finally:
+                for b in batchers.values():
+                    b.close()
+        return asyncio.run(one())
 
-    @property
-    def batches(self) -> bool:
-        """True when :meth:`run_batch` rolls prompts out together (one engine call per policy for the lot),
-        not one after another: the RaaS worker then hands it a whole batch, else one prompt per call."""
-        return type(self).run_batch is not Workflow.run_batch
-
-    def engine(self, engines: Mapping[str, Engine], role: str) -> Engine:
+    def engine(self, engines: Mapping[str, EngineBatcher], role: str) -> EngineBatcher:
         """The engine playing ``role``.
 
         Raises:
@@ -195,6 +209,11 @@ class Workflow(abc.ABC):
                                      task_type=prompt.task_type, workflow=self.name)
 
 
+async def rewards_of(prompt: Prompt, completions: list[str]) -> list[float]:
+    """:func:`producers.rewards.score_many` off the event loop (a reward may run a sandbox or a process)."""
+    return await asyncio.to_thread(score_many, prompt, completions)
+
+
 def group_id_for(prompt: Prompt, policy: str, role: str) -> str:
     """The de-duplication key of the group ``role`` (played by ``policy``) makes for one delivery of
     ``prompt``: sha256 of (prompt_id, epoch, policy, role), 32 hex characters. A redelivered prompt
@@ -206,33 +225,21 @@ def group_id_for(prompt: Prompt, policy: str, role: str) -> str:
 
 @register_workflow("single_turn")
 class SingleTurn(Workflow):
-    """G samples of one answer each, generated in one batch; reward from :func:`producers.rewards.score_many`.
-
-    :meth:`run_batch` generates the G copies of every prompt of a batch in one ``generate`` call (the
-    engine prefills each distinct prompt once); :meth:`run` is the batch of one prompt.
-    """
+    """G samples of one answer each; reward from :func:`producers.rewards.score_many`. The G requests (and
+    those of every other prompt in flight) share engine calls; the engine prefills each distinct prompt once."""
 
     roles: ClassVar[dict[str, str]] = {"policy": "actor"}
 
-    def run(self, prompt: Prompt, engines: Mapping[str, Engine], sampling: SamplingParams) -> list[TrajectoryGroup]:
-        return self.run_batch([prompt], engines, sampling)[0]
-
-    def run_batch(self, prompts: list[Prompt], engines: Mapping[str, Engine],
-                  sampling: SamplingParams) -> list[list[TrajectoryGroup]]:
+    async def rollout(self, prompt: Prompt, engines: Mapping[str, EngineBatcher], sampling: SamplingParams,
+                      tools: Mapping[str, Tool]) -> list[TrajectoryGroup]:
         eng = self.engine(engines, "policy")
-        if not prompts:
-            return []
-        ids = [prompt_ids(eng.tokenizer, p) for p in prompts]
-        gens = eng.generate([x for p, x in zip(prompts, ids) for _ in range(p.n_samples)], sampling)
-        out, at = [], 0
-        for prompt, x in zip(prompts, ids):
-            mine, at = gens[at:at + prompt.n_samples], at + prompt.n_samples
-            rewards = score_many(prompt, [_text(eng, g.output_ids) for g in mine])
-            trajs = [Trajectory(x) for _ in mine]
-            for t, g in zip(trajs, mine):
-                t.add_generation(g)
-            out.append([self.group(prompt, "policy", [t.to_sample(r) for t, r in zip(trajs, rewards)])])
-        return out
+        ids = prompt_ids(eng.tokenizer, prompt)
+        gens = await eng.generate_many([ids] * prompt.n_samples, sampling)
+        rewards = await rewards_of(prompt, [_text(eng, g.output_ids) for g in gens])
+        trajs = [Trajectory(ids) for _ in gens]
+        for t, g in zip(trajs, gens):
+            t.add_generation(g)
+        return [self.group(prompt, "policy", [t.to_sample(r) for t, r in zip(trajs, rewards)])]
 
 
 def accepts(verdict: str) -> bool:
@@ -241,15 +248,20 @@ def accepts(verdict: str) -> bool:
     return bool(text) and text[0] in "1yY"
 
 
+def _budget(sampling: SamplingParams, max_new_tokens: int | None) -> SamplingParams:
+    """``sampling`` with another token budget (unchanged when ``max_new_tokens`` is None)."""
+    return sampling if max_new_tokens is None else dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
+
+
 @register_workflow("solve_verify_retry")
 class SolveVerifyRetry(Workflow):
     """Solver answers, verifier judges, and a rejected answer is retried once with the verifier's text.
 
-    Per sample: the solver answers the prompt; the verifier sees
-    ``verifier_template`` filled with the problem and that answer, and its
-    verdict is parsed by :func:`accepts`. If it rejects, ``retry_template``
-    (with the verdict text) is appended to the solver's trajectory as context
-    and the solver answers again.
+    Per sample (an episode of its own: one sample's verifier turn does not wait for the other
+    samples' solvers): the solver answers the prompt; the verifier sees ``verifier_template`` filled
+    with the problem and that answer, and its verdict is parsed by :func:`accepts`. If it rejects,
+    ``retry_template`` (with the verdict text) is appended to the solver's trajectory as context and
+    the solver answers again.
 
     Rewards: the solver gets the score of its final answer; the verifier gets
     1.0 when its verdict matches the truth (the first answer scores > 0.5)
@@ -273,40 +285,36 @@ class SolveVerifyRetry(Workflow):
         self.retry_template = retry_template
         self.verifier_max_new_tokens = verifier_max_new_tokens
 
-    def run(self, prompt: Prompt, engines: Mapping[str, Engine], sampling: SamplingParams) -> list[TrajectoryGroup]:
+    async def _episode(self, prompt: Prompt, solver: EngineBatcher, verifier: EngineBatcher, ids: list[int],
+                       sampling: SamplingParams) -> tuple[Trajectory, Trajectory, str, str, bool]:
+        """One sample: (solver trajectory, verifier trajectory, first answer, final answer, accepted)."""
+        sol = Trajectory(ids)
+        first = await solver.generate(ids, sampling)
+        sol.add_generation(first)
+        answer = _text(solver, first.output_ids)
+        ver = Trajectory(prompt_ids(verifier.tokenizer, self.verifier_template.format(
+            problem=problem_text(prompt), answer=answer)))
+        verdict = await verifier.generate(ver.ids, _budget(sampling, self.verifier_max_new_tokens))
+        ver.add_generation(verdict)
+        verdict_text = _text(verifier, verdict.output_ids)
+        final = answer
+        if not accepts(verdict_text):
+            feedback = self.retry_template.format(verdict=verdict_text.strip())
+            sol.add_context(solver.tokenizer.encode(feedback, add_special_tokens=False))
+            second = await solver.generate(sol.ids, sampling)
+            sol.add_generation(second)
+            final = _text(solver, second.output_ids)
+        return sol, ver, answer, final, accepts(verdict_text)
+
+    async def rollout(self, prompt: Prompt, engines: Mapping[str, EngineBatcher], sampling: SamplingParams,
+                      tools: Mapping[str, Tool]) -> list[TrajectoryGroup]:
         solver, verifier = self.engine(engines, "solver"), self.engine(engines, "verifier")
         ids = prompt_ids(solver.tokenizer, prompt)
-        g = prompt.n_samples
-        first = solver.generate([ids] * g, sampling)
-        answers = [_text(solver, x.output_ids) for x in first]
-        correct = [r > 0.5 for r in score_many(prompt, answers)]
-        sol = [Trajectory(ids) for _ in range(g)]
-        for t, x in zip(sol, first):
-            t.add_generation(x)
-
-        problem = problem_text(prompt)
-        ver = [Trajectory(prompt_ids(verifier.tokenizer, self.verifier_template.format(problem=problem, answer=a)))
-               for a in answers]
-        v_sampling = sampling
-        if self.verifier_max_new_tokens is not None:
-            v_sampling = dataclasses.replace(sampling, max_new_tokens=self.verifier_max_new_tokens)
-        verdicts = verifier.generate([t.ids for t in ver], v_sampling)
-        verdict_texts = [_text(verifier, v.output_ids) for v in verdicts]
-        accepted = [accepts(v) for v in verdict_texts]
-        for t, v in zip(ver, verdicts):
-            t.add_generation(v)
-
-        final = list(answers)
-        retry = [i for i in range(g) if not accepted[i]]
-        if retry:
-            for i in retry:
-                feedback = self.retry_template.format(verdict=verdict_texts[i].strip())
-                sol[i].add_context(solver.tokenizer.encode(feedback, add_special_tokens=False))
-            second = solver.generate([sol[i].ids for i in retry], sampling)
-            for i, x in zip(retry, second):
-                sol[i].add_generation(x)
-                final[i] = _text(solver, x.output_ids)
-        solver_rewards = score_many(prompt, final)
+        episodes = await asyncio.gather(*(self._episode(prompt, solver, verifier, ids, sampling)
+                                          for _ in range(prompt.n_samples)))
+        sol, ver, answers, final, accepted = map(list, zip(*episodes))
+        correct = [r > 0.5 for r in await rewards_of(prompt, answers)]
+        solver_rewards = await rewards_of(prompt, final)
         verifier_rewards = [float(a == c) for a, c in zip(accepted, correct)]
         return [self.group(prompt, "solver", [t.to_sample(r) for t, r in zip(sol, solver_rewards)]),
                 self.group(prompt, "verifier", [t.to_sample(r) for t, r in zip(ver, verifier_rewards)])]
@@ -316,7 +324,7 @@ class SolveVerifyRetry(Workflow):
 class PlanExecuteCritique(Workflow):
     """Three roles: a planner writes a plan, an executor answers following it, a critic judges the answer.
 
-    Per sample: the planner sees ``planner_template`` (with ``{problem}``) and
+    Per sample (an episode of its own): the planner sees ``planner_template`` (with ``{problem}``) and
     generates a plan; the executor sees ``executor_template`` (with ``{plan}``
     and ``{problem}``; the plan is context, loss_mask 0) and generates the
     answer; the critic sees ``critic_template`` (with ``{problem}``, ``{plan}``
@@ -355,83 +363,78 @@ class PlanExecuteCritique(Workflow):
         self.critic_template = critic_template
         self.plan_max_new_tokens, self.critic_max_new_tokens = plan_max_new_tokens, critic_max_new_tokens
 
-    @staticmethod
-    def _budget(sampling: SamplingParams, max_new_tokens: int | None) -> SamplingParams:
-        return sampling if max_new_tokens is None else dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
-
-    def run(self, prompt: Prompt, engines: Mapping[str, Engine], sampling: SamplingParams) -> list[TrajectoryGroup]:
+    async def _episode(self, prompt: Prompt, engines: Mapping[str, EngineBatcher],
+                       sampling: SamplingParams) -> tuple[Trajectory, Trajectory, Trajectory, str, str]:
+        """One sample: (plan, executor and critic trajectories, the answer, the verdict)."""
         planner, executor = self.engine(engines, "planner"), self.engine(engines, "executor")
-        critic = self.engine(engines, "critic")
-        g, problem = prompt.n_samples, problem_text(prompt)
+        critic, problem = self.engine(engines, "critic"), problem_text(prompt)
+        plan = Trajectory(prompt_ids(planner.tokenizer, self.planner_template.format(problem=problem)))
+        x = await planner.generate(plan.ids, _budget(sampling, self.plan_max_new_tokens))
+        plan.add_generation(x)
+        plan_text = _text(planner, x.output_ids).strip()
+        exe = Trajectory(prompt_ids(executor.tokenizer, self.executor_template.format(plan=plan_text,
+                                                                                       problem=problem)))
+        x = await executor.generate(exe.ids, sampling)
+        exe.add_generation(x)
+        answer = _text(executor, x.output_ids)
+        crit = Trajectory(prompt_ids(critic.tokenizer, self.critic_template.format(
+            problem=problem, plan=plan_text, answer=answer)))
+        x = await critic.generate(crit.ids, _budget(sampling, self.critic_max_new_tokens))
+        crit.add_generation(x)
+        return plan, exe, crit, answer, _text(critic, x.output_ids)
 
-        plan_ids = prompt_ids(planner.tokenizer, self.planner_template.format(problem=problem))
-        plans = planner.generate([plan_ids] * g, self._budget(sampling, self.plan_max_new_tokens))
-        plan_texts = [_text(planner, x.output_ids).strip() for x in plans]
-        plan_trajs = [Trajectory(plan_ids) for _ in range(g)]
-        for t, x in zip(plan_trajs, plans):
-            t.add_generation(x)
-
-        exe_trajs = [Trajectory(prompt_ids(executor.tokenizer, self.executor_template.format(plan=p, problem=problem)))
-                     for p in plan_texts]
-        answers = executor.generate([t.ids for t in exe_trajs], sampling)
-        answer_texts = [_text(executor, x.output_ids) for x in answers]
-        for t, x in zip(exe_trajs, answers):
-            t.add_generation(x)
-        outcome = score_many(prompt, answer_texts)
-
-        critic_trajs = [Trajectory(prompt_ids(critic.tokenizer, self.critic_template.format(
-            problem=problem, plan=p, answer=a))) for p, a in zip(plan_texts, answer_texts)]
-        verdicts = critic.generate([t.ids for t in critic_trajs], self._budget(sampling, self.critic_max_new_tokens))
-        for t, x in zip(critic_trajs, verdicts):
-            t.add_generation(x)
-        critic_rewards = [float(accepts(_text(critic, x.output_ids)) == (c > 0.5)) for x, c in zip(verdicts, outcome)]
-        return [self.group(prompt, "planner", [t.to_sample(r) for t, r in zip(plan_trajs, outcome)]),
-                self.group(prompt, "executor", [t.to_sample(r) for t, r in zip(exe_trajs, outcome)]),
-                self.group(prompt, "critic", [t.to_sample(r) for t, r in zip(critic_trajs, critic_rewards)])]
+    async def rollout(self, prompt: Prompt, engines: Mapping[str, EngineBatcher], sampling: SamplingParams,
+                      tools: Mapping[str, Tool]) -> list[TrajectoryGroup]:
+        episodes = await asyncio.gather(*(self._episode(prompt, engines, sampling) for _ in range(prompt.n_samples)))
+        plans, exes, crits, answers, verdicts = map(list, zip(*episodes))
+        outcome = await rewards_of(prompt, answers)
+        critic_rewards = [float(accepts(v) == (c > 0.5)) for v, c in zip(verdicts, outcome)]
+        return [self.group(prompt, "planner", [t.to_sample(r) for t, r in zip(plans, outcome)]),
+                self.group(prompt, "executor", [t.to_sample(r) for t, r in zip(exes, outcome)]),
+                self.group(prompt, "critic", [t.to_sample(r) for t, r in zip(crits, critic_rewards)])]
 
 
-@register_workflow("multi_turn")
-class MultiTurn(Workflow):
-    """A Python tool loop: code between ``tool_open`` and ``tool_close`` runs in the sandbox.
+class ToolLoop(Workflow):
+    """An agent loop over one tool: each model turn's output is cut just after the first complete call
+    (``tool_open`` ... ``tool_close``; the tokens kept are a prefix of what was sampled, so their logprobs
+    stay exact), the tool runs, and its answer is appended in ``output_template`` as context (loss_mask
+    0); the sample then takes another turn, up to ``max_turns`` model turns. A turn without a complete
+    call ends the episode. The reward is the score of the last model turn's text.
 
-    Each turn, every unfinished sample generates; its output is cut just after
-    the first ``tool_close`` (the tokens kept are a prefix of what was sampled,
-    so their logprobs stay exact). A turn with a complete tool call runs the code
-    with :func:`producers.sandbox.run_python` and appends ``output_template``
-    (filled with stdout, plus stderr when the run failed) as context with
-    loss_mask 0; the sample then takes another turn, up to ``max_turns`` model
-    turns. The reward is the score of the last model turn's text.
+    Each sample is an episode of its own: while one waits for its tool, the others generate. Subclasses
+    implement :meth:`call_tool`, which returns the tool's answer as text and never raises for a failed
+    tool (a failure is an observation the agent sees).
 
     Args:
         policies: role overrides; role ``policy``.
-        max_turns: the most model turns per sample.
+        max_turns: the most model turns per sample (>= 1).
         tool_open, tool_close: the tool-call delimiters.
         output_template: format string with ``{output}`` for the tool turn.
-        tool_timeout_s: wall-clock limit of one tool run, seconds (CPU limit: its ceiling).
+
+    Raises:
+        ValueError: ``max_turns`` < 1.
     """
 
     roles: ClassVar[dict[str, str]] = {"policy": "actor"}
 
-    def __init__(self, policies: Mapping[str, str] | None = None, max_turns: int = 3,
-                 tool_open: str = "<python>", tool_close: str = "</python>",
-                 output_template: str = "\n<output>\n{output}</output>\n", tool_timeout_s: float = 5.0) -> None:
+    def __init__(self, policies: Mapping[str, str] | None, max_turns: int, tool_open: str, tool_close: str,
+                 output_template: str) -> None:
         super().__init__(policies)
         if max_turns < 1:
-            raise ValueError(f"multi_turn max_turns must be >= 1, got {max_turns}")
+            raise ValueError(f"{self.name} max_turns must be >= 1, got {max_turns}")
         self.max_turns = max_turns
         self.tool_open, self.tool_close = tool_open, tool_close
         self.output_template = output_template
-        self.tool_timeout_s = tool_timeout_s
 
     def tool_call(self, text: str) -> str | None:
-        """The code of the first complete tool call in ``text``, or None."""
+        """The argument of the first complete tool call in ``text``, or None."""
         start = text.find(self.tool_open)
         if start < 0:
             return None
         end = text.find(self.tool_close, start + len(self.tool_open))
         return None if end < 0 else text[start + len(self.tool_open):end]
 
-    def _cut_after_call(self, engine: Engine, gen: Generation) -> Generation:
+    def _cut_after_call(self, engine: EngineBatcher, gen: Generation) -> Generation:
         """``gen`` cut just after its first complete tool call (unchanged when it has none)."""
         text = _text(engine, gen.output_ids)
         if self.tool_call(text) is None:
@@ -442,33 +445,86 @@ class MultiTurn(Workflow):
                                   finish_reason="stop", version=gen.version)
         return gen
 
+    @abc.abstractmethod
+    async def call_tool(self, argument: str, tools: Mapping[str, Tool]) -> str:
+        """The tool's answer to ``argument`` (an error is an answer too: it never raises for a failed tool)."""
+
+    async def _episode(self, eng: EngineBatcher, ids: list[int], sampling: SamplingParams,
+                       tools: Mapping[str, Tool]) -> tuple[Trajectory, str]:
+        """One sample: its trajectory and its last model turn's text."""
+        traj, text = Trajectory(ids), ""
+        while True:
+            gen = self._cut_after_call(eng, await eng.generate(traj.ids, sampling))
+            traj.add_generation(gen)
+            text = _text(eng, gen.output_ids)
+            argument = self.tool_call(text)
+            if argument is None or traj.turns >= self.max_turns:
+                return traj, text
+            output = await self.call_tool(argument, tools)
+            traj.add_context(eng.tokenizer.encode(self.output_template.format(output=output),
+                                                  add_special_tokens=False))
+
+    async def rollout(self, prompt: Prompt, engines: Mapping[str, EngineBatcher], sampling: SamplingParams,
+                      tools: Mapping[str, Tool]) -> list[TrajectoryGroup]:
+        eng = self.engine(engines, "policy")
+        ids = prompt_ids(eng.tokenizer, prompt)
+        episodes = await asyncio.gather(*(self._episode(eng, ids, sampling, tools) for _ in range(prompt.n_samples)))
+        rewards = await rewards_of(prompt, [text for _, text in episodes])
+        return [self.group(prompt, "policy", [t.to_sample(r) for (t, _), r in zip(episodes, rewards)])]
+
+
+@register_workflow("multi_turn")
+class MultiTurn(ToolLoop):
+    """A Python tool loop (:class:`ToolLoop`): code between ``tool_open`` and ``tool_close`` runs in the
+    sandbox (:func:`producers.sandbox.run_python`, on a thread: the other episodes go on), and its stdout,
+    plus stderr when the run failed, is the tool's answer.
+
+    Args:
+        policies: role overrides; role ``policy``.
+        max_turns: the most model turns per sample.
+        tool_open, tool_close: the tool-call delimiters.
+        output_template: format string with ``{output}`` for the tool turn.
+        tool_timeout_s: wall-clock limit of one tool run, seconds (CPU limit: its ceiling).
+    """
+
+    def __init__(self, policies: Mapping[str, str] | None = None, max_turns: int = 3,
+                 tool_open: str = "<python>", tool_close: str = "</python>",
+                 output_template: str = "\n<output>\n{output}</output>\n", tool_timeout_s: float = 5.0) -> None:
+        super().__init__(policies, max_turns, tool_open, tool_close, output_template)
+        self.tool_timeout_s = tool_timeout_s
+
     def run_tool(self, code: str) -> str:
         """Run ``code`` in the sandbox; return its stdout (and stderr when it failed)."""
         limits = SandboxLimits(cpu_s=max(1, int(self.tool_timeout_s)), wall_s=self.tool_timeout_s)
         result = run_python(code, limits)
         return result.stdout if result.passed else result.stdout + result.stderr
 
-    def run(self, prompt: Prompt, engines: Mapping[str, Engine], sampling: SamplingParams) -> list[TrajectoryGroup]:
-        eng = self.engine(engines, "policy")
-        ids = prompt_ids(eng.tokenizer, prompt)
-        trajs = [Trajectory(ids) for _ in range(prompt.n_samples)]
-        last_text = [""] * len(trajs)
-        active = list(range(len(trajs)))
-        while active:
-            gens = [self._cut_after_call(eng, x) for x in eng.generate([trajs[i].ids for i in active], sampling)]
-            calls: dict[int, str] = {}
-            for i, x in zip(active, gens):
-                trajs[i].add_generation(x)
-                last_text[i] = _text(eng, x.output_ids)
-                code = self.tool_call(last_text[i])
-                if code is not None and trajs[i].turns < self.max_turns:
-                    calls[i] = code
-            if calls:
-                with ThreadPoolExecutor(max_workers=min(4, len(calls))) as pool:
-                    outputs = dict(zip(calls, pool.map(self.run_tool, calls.values())))
-                for i, out in outputs.items():
-                    trajs[i].add_context(eng.tokenizer.encode(self.output_template.format(output=out),
-                                                              add_special_tokens=False))
-            active = sorted(calls)
-        rewards = score_many(prompt, last_text)
-        return [self.group(prompt, "policy", [t.to_sample(r) for t, r in zip(trajs, rewards)])]
+    async def call_tool(self, argument: str, tools: Mapping[str, Tool]) -> str:
+        return await asyncio.to_thread(self.run_tool, argument)
+
+
+@register_workflow("search_agent")
+class SearchAgent(ToolLoop):
+    """A search agent (:class:`ToolLoop`): the text between ``<search>`` and ``</search>`` is a query to the
+    ``search`` tool (a retrieval service, :mod:`producers.search_tool`; config ``tools.search``), whose
+    answer (the top documents, or ``error: ...`` when the service failed or timed out) comes back in
+    ``output_template``. The answer turn follows; the reward is the score of the last model turn.
+
+    Args:
+        policies: role overrides; role ``policy``.
+        max_turns: the most model turns per sample (searches are at most ``max_turns - 1``).
+        tool_open, tool_close: the call delimiters.
+        output_template: format string with ``{output}`` for the tool's answer.
+    """
+
+    tools: ClassVar[tuple[str, ...]] = ("search",)
+
+    def __init__(self, policies: Mapping[str, str] | None = None, max_turns: int = 2,
+                 tool_open: str = "<search>", tool_close: str = "</search>",
+                 output_template: str = "\n<result>{output}</result>\n") -> None:
+        super().__init__(policies, max_turns, tool_open, tool_close, output_template)
+
+    async def call_tool(self, argument: str, tools: Mapping[str, Tool]) -> str:
+        if "search" not in tools:
+            raise KeyError(f"workflow {self.name!r} calls the search tool, and none is configured (tools.search)")
+        return await tools["search"](argument)

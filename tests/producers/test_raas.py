@@ -1,8 +1,8 @@
 """RaaS workers: two share one consumer group; one is SIGKILLed mid-rollout; every prompt
 still yields exactly one accepted group downstream (de-duplicated by group_id). A SIGTERMed worker stops
 mid-batch within seconds, committing exactly the prompts it wrote groups for. A prompt too long for
-the model goes to deadletter and the worker moves past it. A single_turn batch is one generate call,
-writing the groups a rollout per prompt writes; an interrupted one writes and commits nothing."""
+the model goes to deadletter and the worker moves past it. Prompts in flight together share one generate
+call, writing the groups a rollout per prompt writes; an interrupted one writes and commits nothing."""
 import datetime
 import json
 import os
@@ -220,13 +220,13 @@ raas: {{batch_prompts: 4}}
 
 
 @pytest.mark.parametrize("long_at", [0, 1])
-def test_a_batch_is_one_generate_call_and_an_interrupted_one_writes_and_commits_nothing(tmp_path, tiny_model_dir,
+def test_concurrent_prompts_share_one_generate_call_and_an_interrupted_one_writes_and_commits_nothing(tmp_path, tiny_model_dir,
                                                                                           long_at):
-    """Four prompts in one partition, the one at ``long_at`` too long for the model. The first step's generate call
+    """Four prompts in one partition, the one at ``long_at`` too long for the model. The first tick's generate call
     (the three others' 3 copies each, 9 rows) is interrupted after its prefill: no group is written and nothing is
     committed past the long prompt. First in the partition, it is dead-lettered before the call and committed;
     behind a prompt of the call, it waits for that prompt's group (so the redelivery does not dead-letter it
-    twice). The next step writes, in one call, the groups (and outcomes) that a rollout of each prompt alone makes
+    twice). The next ticks write, in one call, the groups (and outcomes) that a rollout of each prompt alone makes
     (greedy): one per prompt, one dead letter in all."""
     import threading
 
@@ -268,6 +268,10 @@ raas: {{batch_prompts: 8}}
         hook = engine.model.register_forward_hook(interrupt_after_prefill)
         try:
             assert worker.step() == 0
+            deadline = time.monotonic() + 60
+            while worker.episodes:  # the call runs on the engine's thread: the ticks until it is interrupted
+                assert time.monotonic() < deadline, "the interrupted call did not end"
+                assert worker.step() == 0
         finally:
             hook.remove()
         assert calls == [9] and len(forwards) == 1
@@ -276,8 +280,11 @@ raas: {{batch_prompts: 8}}
         assert (bus.admin().group_offsets(group, names.prompts).get(0) or 0) == (1 if long_at == 0 else 0)
 
         engine.interrupt.clear()
-        assert worker.step() == 3
-        assert calls == [9, 9]
+        rolled = worker.step()
+        while worker.episodes:
+            assert time.monotonic() < deadline + 60, "the rollout did not end"
+            rolled += worker.step()
+        assert rolled == 3 and calls == [9, 9]
         assert bus.admin().group_offsets(group, names.prompts).get(0) == 4
         written = read_all(bus, names.trajectories("actor"))
         short = [p for p in prompts if len(p.text) < 100]

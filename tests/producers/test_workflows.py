@@ -120,16 +120,20 @@ def test_solve_verify_retry(engine, tiny_model_dir, verdicts):
 
 
 class ScriptedEngine(Engine):
-    """An engine that replies with fixed texts, one reply per generate call, for driving workflows.
-
-    A reply is a text for every prompt of the batch, or a list of texts, one per prompt."""
+    """An engine that replies with fixed texts, for driving workflows: ``replies`` is a list with one reply per
+    generate call (a text for every prompt of the batch, or a list of texts, one per prompt), or a function
+    of each prompt's text (episodes progress on their own, so the calls they share depend on timing)."""
 
     def __init__(self, tokenizer, replies, version=7):
-        self._tokenizer, self.replies, self._version, self.seen = tokenizer, list(replies), version, []
+        self._tokenizer, self._version, self.seen = tokenizer, version, []
+        self.replies = replies if callable(replies) else list(replies)
 
     def generate(self, batch, sampling):
         self.seen.append([list(b) for b in batch])
-        reply = self.replies.pop(0)
+        if callable(self.replies):
+            reply = [self.replies(self._tokenizer.decode(b)) for b in batch]
+        else:
+            reply = self.replies.pop(0)
         out = []
         for text in reply if isinstance(reply, list) else [reply] * len(batch):
             ids = np.array(self._tokenizer.encode(text, add_special_tokens=False) + [self._tokenizer.eos_token_id], np.int32)
@@ -142,7 +146,7 @@ class ScriptedEngine(Engine):
 
 def test_multi_turn_runs_python_tool_in_sandbox(engine):
     tok = engine.tokenizer
-    scripted = ScriptedEngine(tok, ["<python>print(3+4)</python> ignored tail", "7"])
+    scripted = ScriptedEngine(tok, lambda text: "7" if "<output>" in text else "<python>print(3+4)</python> ignored tail")
     prompt = arith("multi_turn", g=2)
     [group] = get_workflow("multi_turn", max_turns=3).run(prompt, {"actor": scripted}, SAMPLING)
     ids = prompt_ids(tok, prompt)
@@ -152,8 +156,9 @@ def test_multi_turn_runs_python_tool_in_sandbox(engine):
         assert tok.decode(s.input_ids[a0:a1].tolist()) == "<python>print(3+4)</python>"
         assert tok.decode(s.input_ids[a1:b0].tolist()) == "\n<output>\n7\n</output>\n"
         assert s.turns == 2 and s.reward == 1.0 and set(s.versions[s.loss_mask == 1]) == {7}
-    # the second turn saw the tool output in its context
-    assert tok.decode(scripted.seen[1][0]).endswith("</python>\n<output>\n7\n</output>\n")
+    # the second turns saw the tool output in their context
+    seconds = [tok.decode(b) for call in scripted.seen for b in call if "<output>" in tok.decode(b)]
+    assert len(seconds) == 2 and all(t.endswith("</python>\n<output>\n7\n</output>\n") for t in seconds)
 
 
 def test_multi_turn_stops_at_max_turns_and_on_the_tiny_model(engine):
@@ -181,19 +186,33 @@ def assert_same_groups(a: list[TrajectoryGroup], b: list[TrajectoryGroup], atol:
             assert (s.reward, s.finish_reason, s.turns) == (t.reward, t.finish_reason, t.turns)
 
 
-def test_single_turn_run_batch_is_one_generate_call_with_the_groups_of_run(engine):
-    """run_batch generates every prompt's G copies in one engine call and returns, per prompt, the groups that run
-    returns for it alone: the same group ids, tokens, versions and rewards (scripted replies, some correct; then
-    the tiny model, greedy, where left padding to the batch's longest prompt changes logprobs by float noise)."""
+def test_concurrent_rollouts_share_one_generate_call_and_make_the_groups_of_each_alone(engine):
+    """Three prompts rolled out at once on one EngineBatcher: every prompt's G copies go in one engine call, and
+    each prompt gets the groups a rollout of it alone gets: the same group ids, tokens, versions and rewards
+    (scripted replies, some correct; then the tiny model, greedy, where left padding to the batch's longest
+    prompt changes logprobs by float noise)."""
+    import asyncio
+
+    from producers.engine_batcher import EngineBatcher
+
     prompts = [Prompt(prompt_id=f"p{i}", source="test", task_type="arith", text=text, answer=answer,
                       workflow="single_turn", n_samples=g, metadata={"epoch": i % 2})
                for i, (text, answer, g) in enumerate([("3+4=", "7", 8), ("What is 1+2? ", "3", 4),
                                                        ("0+1=", "1", 3)])]
     wf = get_workflow("single_turn")
-    assert wf.batches and not get_workflow("multi_turn").batches
+
+    def together(eng, sampling):
+        async def go():
+            batcher = EngineBatcher(eng)
+            try:
+                return await asyncio.gather(*(wf.rollout(p, {"actor": batcher}, sampling, {}) for p in prompts))
+            finally:
+                batcher.close()
+        return asyncio.run(go())
+
     replies = [[str(k) for k in range(p.n_samples)] for p in prompts]  # sample k answers k
     one = ScriptedEngine(engine.tokenizer, [sum(replies, [])], version=5)
-    batched = wf.run_batch(prompts, {"actor": one}, SAMPLING)
+    batched = together(one, SAMPLING)
     assert len(one.seen) == 1 and one.seen[0] == [prompt_ids(engine.tokenizer, p) for p in prompts
                                                   for _ in range(p.n_samples)]
     each = ScriptedEngine(engine.tokenizer, replies, version=5)
@@ -205,10 +224,9 @@ def test_single_turn_run_batch_is_one_generate_call_with_the_groups_of_run(engin
         assert group.group_id == group_id_for(p, "actor", "policy") and group.prompt_id == p.prompt_id
         assert [s.reward for s in group.samples] == [float(k == int(p.answer)) for k in range(p.n_samples)]
         assert group.min_version == group.max_version == 5
-    assert wf.run_batch([], {"actor": one}, SAMPLING) == [] and len(one.seen) == 1
 
     greedy = SamplingParams(max_new_tokens=6, temperature=0)
     engine.load_weights({}, version=1)
-    batched = wf.run_batch(prompts, {"actor": engine}, greedy)
+    batched = together(engine, greedy)
     for p, groups in zip(prompts, batched):
         assert_same_groups(groups, wf.run(p, {"actor": engine}, greedy), atol=1e-5)

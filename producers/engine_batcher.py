@@ -1,0 +1,128 @@
+"""Batching the engine calls of concurrent episodes: :class:`EngineBatcher`.
+
+Episodes (coroutines, one per sample, :mod:`producers.workflows`) ask for one continuation at a time
+(``await batcher.generate(ids, sampling)``). The batcher gathers every request pending when the
+engine is free and sends them as one :meth:`~producers.engines.Engine.generate` call, run on the
+engine's own thread so the event loop (other episodes' tool calls, the worker's polling and
+commits) goes on meanwhile. A request made while a call runs waits for the next call: the engine
+never idles while an episode has a request, and an episode waiting on a tool holds no engine time.
+
+- An in-process engine (:class:`~producers.hf_engine.HFEngine`, ``Engine.concurrent_calls`` 1)
+  runs one call at a time, each over all the requests pending when it starts (the batching loop
+  of issue 28: requests gathered per tick).
+- A server engine (vLLM, SGLang: ``concurrent_calls`` > 1) gets the requests of each tick as a call
+  of their own without waiting for the calls in flight; the server batches them continuously.
+
+New weights go through :meth:`EngineBatcher.submit` onto the same thread, so an in-process engine
+loads a version between two calls, never under one: every token of a call carries the version that
+sampled it (:attr:`~producers.engines.Generation.version`), and episodes in flight are not drained.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Any, Callable
+
+from producers.engines import Engine, Generation, SamplingParams
+
+
+class EngineBatcher:
+    """The asyncio face of one :class:`~producers.engines.Engine`, shared by every episode of a worker.
+
+    Args:
+        engine: the engine; its ``concurrent_calls`` bounds the calls in flight at once.
+        name: names the engine's threads (``<name>-engine``).
+
+    Attributes:
+        calls: engine calls made so far; ``rows``: prompts sent in them (rows / calls is the mean batch).
+    """
+
+    def __init__(self, engine: Engine, name: str = "engine") -> None:
+        self.engine = engine
+        self.concurrent = max(1, engine.concurrent_calls)
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrent,
+                                                              thread_name_prefix=f"{name}-engine")
+        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._running = 0
+        self._scheduled = False
+        self.calls = self.rows = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer."""
+        return self.engine.tokenizer
+
+    @property
+    def version(self) -> int:
+        """The weight version the engine holds now."""
+        return self.engine.version
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for an engine call."""
+        return len(self._pending)
+
+    async def generate(self, ids: list[int], sampling: SamplingParams) -> Generation:
+        """One continuation of ``ids`` (token ids, non-empty), sampled in the next engine call.
+
+        Raises:
+            Whatever the engine's call raised for the batch it was in (e.g.
+            :class:`~producers.engines.GenerationInterrupted`, ``ValueError`` for an empty prompt).
+        """
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((list(ids), sampling, future))
+        self._schedule()
+        return await future
+
+    async def generate_many(self, batch: list[list[int]], sampling: SamplingParams) -> list[Generation]:
+        """One continuation per prompt of ``batch``, in order (all requested at once, so they share calls)."""
+        return list(await asyncio.gather(*(self.generate(ids, sampling) for ids in batch)))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` on the engine's thread (for an in-process engine: between two calls)."""
+        return self.executor.submit(fn, *args)
+
+    def close(self) -> None:
+        """Stop the engine's threads (a call in progress ends first)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- the batching loop ---------------------------------------------------------------
+    def _schedule(self) -> None:
+        """Dispatch at the end of this loop tick, so that every request made in the tick joins the call."""
+        if not self._scheduled and self._pending and self._running < self.concurrent:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._scheduled = False
+        if not self._pending or self._running >= self.concurrent:
+            return
+        # one call per sampling setting (roles may use other budgets): the oldest request's setting first
+        sampling = self._pending[0][1]
+        mine = [r for r in self._pending if r[1] == sampling]
+        self._pending = [r for r in self._pending if r[1] != sampling]
+        live = [r for r in mine if not r[2].cancelled()]
+        if live:
+            self._running += 1
+            self.calls, self.rows = self.calls + 1, self.rows + len(live)
+            asyncio.get_running_loop().create_task(self._call(live, sampling))
+        self._schedule()
+
+    async def _call(self, requests: list[tuple[list[int], SamplingParams, asyncio.Future]],
+                    sampling: SamplingParams) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            gens = await loop.run_in_executor(self.executor, self.engine.generate, [r[0] for r in requests], sampling)
+        except BaseException as e:  # noqa: BLE001 - handed to every request of the call
+            for _, _, future in requests:
+                if not future.done():
+                    future.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+        else:
+            for (_, _, future), gen in zip(requests, gens, strict=True):
+                if not future.done():
+                    future.set_result(gen)
+        finally:
+            self._running -= 1
+            self._schedule()

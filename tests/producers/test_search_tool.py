@@ -1,0 +1,231 @@
+"""The search tool: a real server (in this event loop, or a subprocess killed for real), real HTTP, the real client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from astraflow.config import ConfigError, load_config
+from astraflow.launcher import Launcher, plan_components
+from producers.search_server import Behaviour, SearchServer, fts_query
+from producers.search_tool import SearchTool
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DOCS = [
+    ("ada", "Ada Lovelace wrote the first published algorithm for Babbage's Analytical Engine in 1843."),
+    ("turing", "Alan Turing proved that the halting problem is undecidable and broke the Enigma cipher."),
+    ("hopper", "Grace Hopper built the first compiler, A-0, and popularised the word debugging."),
+    ("babbage", "Charles Babbage designed the Difference Engine and the Analytical Engine, mechanical computers."),
+    ("shannon", "Claude Shannon founded information theory; the entropy of a source is measured in bits."),
+]
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "kb.jsonl"
+    path.write_text("".join(json.dumps({"doc_id": d, "text": t}) + "\n" for d, t in DOCS))
+    return path
+
+
+def test_retrieval_ranks_the_named_doc_first_and_survives_fts_syntax(corpus):
+    async def main():
+        async with SearchServer(corpus) as server:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{server.url}/health") as r:
+                    assert r.status == 200 and await r.json() == {"ok": True, "docs": len(DOCS)}
+                async with http.get(f"{server.url}/search", params={"q": "who was Grace Hopper?", "k": "3"}) as r:
+                    assert r.status == 200
+                    results = (await r.json())["results"]
+                assert results[0]["doc_id"] == "hopper"
+                assert all(isinstance(x["score"], float) for x in results)
+                assert [x["score"] for x in results] == sorted((x["score"] for x in results), reverse=True)
+                statuses = {}
+                for q in ['"unbalanced', "Turing*", "AND( OR NOT", "-Babbage", "NEAR(Engine", "text:Ada", "^*\"():-"]:
+                    async with http.get(f"{server.url}/search", params={"q": q}) as r:
+                        statuses[q] = (r.status, len((await r.json())["results"]))
+                assert statuses == {'"unbalanced': (200, 0), "Turing*": (200, 1), "AND( OR NOT": (200, 1),
+                                    "-Babbage": (200, 1), "NEAR(Engine": (200, 1), "text:Ada": (200, 1),
+                                    '^*"():-': (200, 0)}
+                async with http.get(f"{server.url}/search", params={"q": "Ada", "k": "0"}) as r:
+                    assert r.status == 400
+            tool = SearchTool(server.url, top_k=2)
+            try:
+                engine = await tool("Analytical Engine Babbage")
+                assert engine.split("\n") == [dict(DOCS)["babbage"], dict(DOCS)["ada"]]
+                assert await tool("") == "no results"
+                assert await tool("?!* -") == "no results"
+                assert (await tool("Claude Shannon entropy")).startswith("Claude Shannon")
+            finally:
+                await tool.close()
+            assert tool.calls == 4 and sum(tool.errors.values()) == 0
+            assert set(tool.percentiles()) == {"p50", "p90", "p99"}
+
+    asyncio.run(main())
+    assert fts_query('a "b" AND(c*') == '"a" OR "b" OR "AND" OR "c"' and fts_query(" ?-* ") is None
+
+
+def test_latency_draws_are_seeded_log_normal():
+    a, b = Behaviour(0.05, 0.2, seed=1), Behaviour(0.05, 0.2, seed=1)
+    draws = [a.draw() for _ in range(4000)]
+    assert draws == [b.draw() for _ in range(4000)]
+    assert [d for _, d in draws[:50]] != [Behaviour(0.05, 0.2, seed=2).draw()[1] for _ in range(50)]
+    delays = sorted(d for _, d in draws)
+    assert all(f is None for f, _ in draws)
+    assert statistics.median(delays) == pytest.approx(0.05, rel=0.1)
+    assert delays[int(0.99 * len(delays))] == pytest.approx(0.2, rel=0.2)
+    assert Behaviour(0.0, 0.0).draw() == (None, 0.0)
+    faults = [f for f, _ in (lambda b: [b.draw() for _ in range(3000)])(Behaviour(hang=0.2, error=0.3, garbage=0.1))]
+    assert {k: round(faults.count(k) / 3000, 1) for k in ("hang", "error", "garbage", None)} == \
+        {"hang": 0.2, "error": 0.3, "garbage": 0.1, None: 0.4}
+    with pytest.raises(ValueError, match="p99_s"):
+        Behaviour(0.2, 0.05)
+
+
+def test_concurrent_requests_overlap(corpus):
+    n, median = 60, 0.05
+    expected = sorted(d for _, d in (lambda b: [b.draw() for _ in range(n)])(Behaviour(median, 0.2, seed=1)))
+
+    async def main():
+        async with SearchServer(corpus, Behaviour(median, 0.2, seed=1)) as server:
+            tool = SearchTool(server.url, timeout_s=5.0)
+            try:
+                t0 = time.perf_counter()
+                answers = await asyncio.gather(*(tool("Alan Turing") for _ in range(n)))
+                return time.perf_counter() - t0, answers, tool
+            finally:
+                await tool.close()
+
+    wall, answers, tool = asyncio.run(main())
+    assert answers == [dict(DOCS)["turing"]] * n
+    assert tool.calls == n and sum(tool.errors.values()) == 0
+    assert wall < 0.4 * n * median, f"{n} concurrent requests took {wall:.2f} s: they did not overlap"
+    measured = sorted(tool.latencies)
+    # the server slept exactly the seed's first n draws: each order statistic of the latencies is at least the draw's
+    assert all(m >= e - 0.005 for m, e in zip(measured, expected)), list(zip(measured, expected))[:5]
+    assert 0.035 < tool.percentiles()["p50"] < 0.1
+    assert tool.percentiles()["p50"] <= tool.percentiles()["p90"] <= tool.percentiles()["p99"]
+
+
+def test_faults_become_error_observations(corpus):
+    async def call(behaviour: Behaviour, timeout_s: float = 5.0) -> tuple[str, SearchTool, float]:
+        async with SearchServer(corpus, behaviour) as server:
+            tool = SearchTool(server.url, timeout_s=timeout_s)
+            try:
+                t0 = time.perf_counter()
+                text = await tool("Ada Lovelace")
+                return text, tool, time.perf_counter() - t0
+            finally:
+                await tool.close()
+
+    text, tool, _ = asyncio.run(call(Behaviour(error=1.0)))
+    assert text.startswith("error: ") and "HTTP 500" in text and "injected fault" in text
+    assert tool.errors == {"timeout": 0, "http": 1, "connect": 0, "garbage": 0}
+
+    text, tool, _ = asyncio.run(call(Behaviour(garbage=1.0)))
+    assert text.startswith("error: ") and "not the expected JSON" in text
+    assert tool.errors["garbage"] == 1 and tool.calls == 1
+
+    t0 = time.perf_counter()
+    text, tool, took = asyncio.run(call(Behaviour(hang=1.0), timeout_s=0.5))
+    assert text == "error: search timed out after 0.5 s"
+    assert 0.45 < took < 1.0 and tool.errors["timeout"] == 1 and len(tool.latencies) == 1
+    assert time.perf_counter() - t0 < 4.0  # the server stopped too: the hung request was cancelled
+
+
+def test_killed_server_process_gives_connect_errors(corpus):
+    proc = subprocess.Popen([sys.executable, "-m", "astraflow", "search-server", "--corpus", str(corpus),
+                             "--median-s", "1.0", "--p99-s", "1.0"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("search server: serving http://127.0.0.1:") and "(5 documents)" in line, line
+        url = line.split()[3]
+
+        async def main():
+            tool = SearchTool(url, timeout_s=5.0)
+            try:
+                assert await tool("Alan Turing") == dict(DOCS)["turing"]
+                in_flight = asyncio.ensure_future(tool("Grace Hopper"))
+                await asyncio.sleep(0.3)  # the server sleeps 1 s on it
+                proc.send_signal(signal.SIGKILL)
+                t0 = time.perf_counter()
+                cut = await in_flight
+                cut_s = time.perf_counter() - t0
+                await asyncio.sleep(0.1)
+                t0 = time.perf_counter()
+                refused = await tool("Grace Hopper")
+                return cut, cut_s, refused, time.perf_counter() - t0, tool
+            finally:
+                await tool.close()
+
+        cut, cut_s, refused, refused_s, tool = asyncio.run(main())
+        assert proc.wait(5) == -signal.SIGKILL
+        assert cut.startswith(f"error: cannot reach the search server at {url}") and cut_s < 0.5, (cut, cut_s)
+        assert refused.startswith(f"error: cannot reach the search server at {url}") and refused_s < 0.5
+        assert "Connect" in refused, refused
+        assert tool.calls == 3 and tool.errors == {"timeout": 0, "http": 0, "connect": 2, "garbage": 0}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _run_config(tmp_path: Path, *search: str):
+    return load_config(None, ["policies.actor.model=tiny", f"run_dir={tmp_path / 'run'}", *search])
+
+
+def test_search_config_is_checked(tmp_path):
+    with pytest.raises(ConfigError, match=r"tools\.search\.latency: p99_s \(0\.1\) is below median_s \(0\.5\)"):
+        _run_config(tmp_path, "tools.search.latency.median_s=0.5", "tools.search.latency.p99_s=0.1")
+    with pytest.raises(ConfigError, match=r"tools\.search\.faults: hang \+ error \+ garbage = 1\.2 > 1"):
+        _run_config(tmp_path, "tools.search.faults.error=0.6", "tools.search.faults.garbage=0.6")
+    with pytest.raises(ConfigError, match=r"tools\.search: url attaches to a running server: seed"):
+        _run_config(tmp_path, "tools.search.url=http://host:1", "tools.search.seed=3")
+    with pytest.raises(ConfigError, match=r"tools\.search\.timeout_s"):
+        _run_config(tmp_path, "tools.search.timeout_s=0")
+    assert _run_config(tmp_path).tools.search is None
+    s = _run_config(tmp_path, "tools.search.latency.median_s=0.1", "tools.search.latency.p99_s=0.1").tools.search
+    assert (s.url, s.server, s.timeout_s, s.top_k, s.faults.hang) == (None, None, 5.0, 1, 0.0)
+
+
+def test_launcher_starts_search_and_points_raas_at_it(tmp_path, corpus):
+    overrides = ["policies.actor.model=tiny", f"run_dir={tmp_path / 'run'}", "tools.search.seed=4",
+                 f"tools.search.corpus={corpus}", "tools.search.latency.median_s=0.01",
+                 "tools.search.latency.p99_s=0.02"]
+    cfg = load_config(None, overrides)
+    assert [c.name for c in plan_components(load_config(None, overrides[:2]), tmp_path / "x.yaml", [])][0] != "search"
+    launcher = Launcher(cfg, tmp_path / "x.yaml", overrides)
+    search = launcher.components[0]
+    assert search.name == "search" and search.ready_url.startswith("http://127.0.0.1:")
+    raas = next(c for c in launcher.components if c.name == "raas-0")
+    started = f"tools.search.started_url={search.ready_url}"
+    assert started in raas.argv
+    worker_cfg = load_config(None, [*overrides, started])
+    assert worker_cfg.tools.search.server == search.ready_url
+
+    cfg.run_dir.mkdir(parents=True)
+    launcher._start(search)
+    try:
+        launcher._wait_ready(search, timeout_s=30.0)
+
+        async def main():
+            tool = SearchTool(worker_cfg.tools.search.server)
+            try:
+                return await tool("Enigma")
+            finally:
+                await tool.close()
+
+        assert asyncio.run(main()) == dict(DOCS)["turing"]
+        launcher._stop_all(grace_s=10.0)
+        assert search.proc.returncode == 0
+    finally:
+        if search.proc.poll() is None:
+            search.proc.kill()
+            search.proc.wait()
