@@ -186,6 +186,18 @@ class RunMonitor:
                 if m.kind == "raas" and now - m.ts <= window_s
                 and (m.values.get("paused_by_control") or m.values.get("throttled"))}
 
+    def workers(self, window_s: float = 30.0) -> dict[str, dict[str, float]]:
+        """Per RaaS worker reporting within ``window_s`` seconds: its episodes and prompts in flight, the mean
+        requests per engine call, and per tool its latency percentiles (seconds), calls and errors, from its
+        latest metric (:meth:`producers.raas.RaasWorker._maybe_metrics`)."""
+        now, out = time.time(), {}
+        for c, m in sorted(self.components.items()):
+            if m.kind != "raas" or now - m.ts > window_s:
+                continue
+            out[c] = {k: v for k, v in m.values.items()
+                      if k in ("episodes_inflight", "prompts_inflight") or k.startswith(("tool.", "engine_batch."))}
+        return out
+
     def snapshot(self) -> dict:
         """The monitor's figures as plain data (``astraflow status --json``)."""
         return {
@@ -198,13 +210,15 @@ class RunMonitor:
             "lag": {f"{group} {topic}": n for (group, topic), n in self.lags().items()},
             "members": self.members(),
             "held_by_control": self.controlled_workers(),
+            "workers": self.workers(),
             "dead_letters": self.dead_letters,
             "last_dead_letter": self.last_dead_letter,
         }
 
     def table(self, title: str = "") -> Group:
         """Rich tables: per policy step, version, reward, KL, throughput, staleness; then lag per group; then
-        each group's members, with the RaaS workers an operator's pause or throttle holds."""
+        each group's members, with the RaaS workers an operator's pause or throttle holds; then per RaaS worker
+        its episodes in flight and its tools' latency percentiles (:meth:`workers`)."""
         t = Table(title=title or f"run {self.names.run}")
         for col in ("policy", "step", "version", "reward", "KL", "train tok/s", "staleness", "publish errors"):
             t.add_column(col, justify="right" if col != "policy" else "left")
@@ -230,7 +244,19 @@ class RunMonitor:
             for member, parts in sorted(owned.items()):
                 members.add_row(group, member, ",".join(map(str, parts)) or "-",
                                 f"[yellow]{held[member]}[/]" if member in held else "")
-        return Group(t, lag, members)
+        workers = Table(title="rollout workers")
+        tools = sorted({k.split(".")[1] for w in self.workers().values() for k in w if k.startswith("tool.")})
+        for col in ("worker", "episodes in flight", "prompts in flight", "requests per engine call",
+                    *(f"{tool} p50/p90/p99 s (errors/calls)" for tool in tools)):
+            workers.add_column(col, justify="left" if col == "worker" else "right")
+        for worker, w in self.workers().items():
+            batch = [v for k, v in w.items() if k.startswith("engine_batch.")]
+            cells = [f"{w.get(f'tool.{t}.p50_s', 0):.3f}/{w.get(f'tool.{t}.p90_s', 0):.3f}/"
+                     f"{w.get(f'tool.{t}.p99_s', 0):.3f} ({w.get(f'tool.{t}.errors_total', 0):.0f}/"
+                     f"{w.get(f'tool.{t}.calls_total', 0):.0f})" for t in tools]
+            workers.add_row(worker, f"{w.get('episodes_inflight', 0):.0f}", f"{w.get('prompts_inflight', 0):.0f}",
+                            f"{max(batch, default=0):.1f}", *cells)
+        return Group(t, lag, members, workers)
 
     def commit(self) -> None:
         """Commit :attr:`read_to` for this monitor's consumer group, on the partitions it still owns (one that

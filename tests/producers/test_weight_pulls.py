@@ -73,8 +73,10 @@ raas: {{batch_prompts: 2, max_inflight_groups: 1000}}
             pulled_s = time.monotonic() - started
             assert worker.engines["actor"].version == 0  # the pull ran beside the rollout
             assert pulled_s > 1.2 and rolled >= 4, (pulled_s, rolled)  # a full pull is several round trips
-            worker.step()
-            assert worker.engines["actor"].version == 1 and worker.pullers["actor"].version == 1
+            while worker.engines["actor"].version != 1:  # loaded on the engine's thread, between two calls
+                assert time.monotonic() < deadline + 90, "version 1 was not loaded"
+                worker.step()
+            assert worker.pullers["actor"].version == 1
         finally:
             worker.close()
     finally:
