@@ -297,6 +297,9 @@ def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(
     """RaasWorker.sync_weights with a real Puller and store: the puller's copy moves on (in its pull thread)
     before the engine loads it, so a refused load is handed to the engine again at the next sync instead of
     leaving it behind for good."""
+    import concurrent.futures
+
+    from producers.engine_batcher import EngineBatcher
     from producers.engines import Engine
     from producers.raas import RaasWorker
     from topics.names import TopicNames
@@ -326,15 +329,20 @@ def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(
     engine = Flaky()
     puller = Puller(store, None, names, "actor")
     puller.newest_durable = lambda ttl_s=2.0: 1
+    batcher = EngineBatcher(engine)
     worker = SimpleNamespace(id="raas-0", pullers={"actor": puller}, engines={"actor": engine}, _pulls={},
-                             _pull_errors={})
+                             _pull_errors={}, batchers={"actor": batcher}, _loads={})
     worker._pull = lambda policy, version: RaasWorker._pull(worker, policy, version)
     RaasWorker.sync_weights(worker)  # starts the pull
     worker._pulls["actor"].join(30)
-    RaasWorker.sync_weights(worker)  # refused: logged, not raised
+    RaasWorker.sync_weights(worker)  # hands the copy to the engine, on the engine's thread
+    concurrent.futures.wait([worker._loads["actor"][0]], 30)
+    RaasWorker.sync_weights(worker)  # refused: logged, not raised, and handed again
     assert (engine.version, puller.version) == (0, 1)
+    concurrent.futures.wait([worker._loads["actor"][0]], 30)
     RaasWorker.sync_weights(worker)
     assert engine.version == 1
+    batcher.close()
 
 
 FAKE_LAUNCHER = r'''
