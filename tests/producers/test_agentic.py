@@ -2,7 +2,6 @@
 server (a subprocess): a server that hangs, answers 500 or garbage, or dies mid-run costs the affected
 episodes an error observation and the run goes on; a worker SIGKILLed with 20 or more episodes in flight
 loses no prompt and yields one group per prompt (the committed offsets never pass an unfinished prompt)."""
-import os
 import re
 import signal
 import subprocess
@@ -20,6 +19,8 @@ from topics.bus import connect, read_topic
 from topics.codec import decode
 from topics.names import TopicNames
 from topics.schemas import Metric, Prompt, TrajectoryGroup
+
+from tests.producers.test_raas import start_worker
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +113,6 @@ def test_tool_faults_cost_an_error_observation_and_the_run_goes_on(tmp_path, sea
                    "the code of "):
         assert any(phrase in o for o in seen), (phrase, seen[:20])
     assert all(len(g.samples) == 4 for g in groups)
-
-
-def start_worker(config, i, log_dir):
-    log = open(log_dir / f"raas-{i}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "astraflow", "raas", str(config), "--worker-id", str(i)],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 @pytest.mark.slow
