@@ -32,19 +32,24 @@ class EngineBatcher:
     Args:
         engine: the engine; its ``concurrent_calls`` bounds the calls in flight at once.
         name: names the engine's threads (``<name>-engine``).
+        gather_s: seconds a call waits, once the engine is free, for more requests to join it. Episodes
+            coming back from a tool arrive one by one; on the tiny CPU model a decode loop costs about the
+            same for 1 row as for 30, so a few milliseconds of gathering make far fewer, fuller calls
+            (0 dispatches at the end of the loop tick).
 
     Attributes:
         calls: engine calls made so far; ``rows``: prompts sent in them (rows / calls is the mean batch).
     """
 
-    def __init__(self, engine: Engine, name: str = "engine") -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, name: str = "engine", gather_s: float = 0.01) -> None:
+        self.engine, self.gather_s = engine, gather_s
         self.concurrent = max(1, engine.concurrent_calls)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrent,
                                                               thread_name_prefix=f"{name}-engine")
         self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
         self._running = 0
         self._scheduled = False
+        self._just_freed = False  # _schedule called as a call ends: the requests that waited for it go at once
         self.calls = self.rows = 0
 
     @property
@@ -88,10 +93,14 @@ class EngineBatcher:
 
     # -- the batching loop ---------------------------------------------------------------
     def _schedule(self) -> None:
-        """Dispatch at the end of this loop tick, so that every request made in the tick joins the call."""
+        """Dispatch at the end of this loop tick, or, when the engine is idle, in ``gather_s``: every request made
+        by then joins the call (requests made while a call ran go as soon as it ends)."""
         if not self._scheduled and self._pending and self._running < self.concurrent:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._dispatch)
+            if self.gather_s > 0 and self._running == 0 and not self._just_freed:
+                asyncio.get_running_loop().call_later(self.gather_s, self._dispatch)
+            else:
+                asyncio.get_running_loop().call_soon(self._dispatch)
 
     def _dispatch(self) -> None:
         self._scheduled = False
@@ -125,4 +134,6 @@ class EngineBatcher:
                     future.set_result(gen)
         finally:
             self._running -= 1
+            self._just_freed = True
             self._schedule()
+            self._just_freed = False
