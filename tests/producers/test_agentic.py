@@ -74,6 +74,28 @@ def observations(group, tokenizer):
     return out
 
 
+def status_of(worker):
+    """What ``astraflow status`` shows of ``worker`` (its rollout row), once it reported a metric now."""
+    from rich.console import Console
+
+    from astraflow.monitor import RunMonitor
+
+    worker._maybe_metrics(every_s=0.0)
+    worker.producer.flush()
+    monitor = RunMonitor(worker.bus, worker.names, ["actor"], "search_agent")
+    try:
+        deadline = time.monotonic() + 30
+        while worker.id not in monitor.workers():
+            assert time.monotonic() < deadline, "the worker's metric did not arrive"
+            monitor.poll(0.5)
+        console = Console(width=200, record=True)
+        console.print(monitor.table())
+        assert "search p50/p90/p99 s (errors/calls)" in console.export_text()
+        return monitor.snapshot()["workers"][worker.id]
+    finally:
+        monitor.close()
+
+
 def test_tool_faults_cost_an_error_observation_and_the_run_goes_on(tmp_path, search_model_dir):
     """A server that hangs (a tenth of the calls), answers 500 or garbage (a fifth each): those episodes see
     ``error: ...`` and finish; then the server is SIGKILLed mid-run, and the rest see ``cannot reach``. Every
@@ -94,6 +116,9 @@ def test_tool_faults_cost_an_error_observation_and_the_run_goes_on(tmp_path, sea
         while sum(bus.admin().end_offsets(topic).values()) < n_prompts // 2:
             assert time.monotonic() < deadline, "the first half of the prompts was not rolled out"
             worker.step()
+        shown = status_of(worker)
+        assert shown["episodes_inflight"] >= 0 and shown["tool.search.calls_total"] > 0
+        assert 0 < shown["tool.search.p50_s"] <= shown["tool.search.p90_s"] <= shown["tool.search.p99_s"]
         server.send_signal(signal.SIGKILL)
         server.wait()
         while lag() > 0 or worker.episodes:
