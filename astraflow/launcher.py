@@ -293,7 +293,7 @@ def preflight(cfg: RunConfig) -> None:
         FileNotFoundError: a model directory that does not exist.
         astraflow.tracker.TrackingUnavailable: a tracking sink is set and its package is not installed.
     """
-    from astraflow.models import resolve_model
+    from astraflow.models import BUILT_MODELS, resolve_model
     from astraflow.tracker import require_packages
     from policies.base import Filter, PolicyConfigError
     from policies.registry import build_chain, build_serving
@@ -316,7 +316,7 @@ def preflight(cfg: RunConfig) -> None:
                 build()
             except PolicyConfigError as e:
                 raise PolicyConfigError(e.policy, f"{e.reason} (policies.{name}.{field})", e.param) from None
-        if pc.model != "tiny":
+        if pc.model not in BUILT_MODELS:
             resolve_model(pc.model)
     search = cfg.tools.search
     if search is not None and search.url is None:  # the corpus the launched search server indexes

@@ -1,10 +1,16 @@
 """Resolving a config's ``model`` field to an HF model directory.
 
-``tiny`` names the built-in tiny arithmetic model (``scripts/make_tiny_model.py``,
-a ~300k-parameter Qwen2 with a character tokenizer). It is built on first use
-(about 15 s on 2 cores, no download) and cached under ``$ASTRAFLOW_CACHE``
-(default ``~/.cache/astraflow``) as ``tiny-model-<sha256 of the script>``; a
-file lock lets concurrent processes share one build.
+Two names are models built here, from a script, with no download (:data:`BUILT_MODELS`):
+
+- ``tiny``: the tiny arithmetic model (``scripts/make_tiny_model.py``, a ~300k-parameter Qwen2 with a
+  character tokenizer), about 15 s on 2 cores;
+- ``tiny-search``: the same architecture pre-trained on search episodes over
+  ``producers/data/search_kb.jsonl`` (``scripts/make_tiny_search_model.py``), about 40 s on 2 cores.
+
+Each is built on first use and cached under ``$ASTRAFLOW_CACHE`` (default ``~/.cache/astraflow``) as
+``<prefix>-<digest>``, the digest being the first 12 hex digits of the sha256 of the script (followed by the
+files it reads, for ``tiny-search``: ``make_tiny_model.py`` and the knowledge base), so a changed script
+builds anew; a file lock lets concurrent processes share one build.
 """
 from __future__ import annotations
 
@@ -13,9 +19,45 @@ import hashlib
 import importlib.util
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-TINY_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_model.py"
+ROOT = Path(__file__).resolve().parents[1]
+TINY_SCRIPT = ROOT / "scripts" / "make_tiny_model.py"
+TINY_SEARCH_SCRIPT = ROOT / "scripts" / "make_tiny_search_model.py"
+SEARCH_KB = ROOT / "producers" / "data" / "search_kb.jsonl"
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """A model built from a script in this checkout.
+
+    Attributes:
+        prefix: the cache directory's name before ``-<digest>``.
+        script: the build script; it defines ``builder(out_dir)``, which writes an HF model directory.
+        builder: the name of that function.
+        inputs: other files the build depends on; their bytes are part of the digest.
+    """
+
+    prefix: str
+    script: Path
+    builder: str
+    inputs: tuple[Path, ...] = ()
+
+    def digest(self) -> str:
+        """The first 12 hex digits of the sha256 of the script's bytes followed by each input's."""
+        h = hashlib.sha256(self.script.read_bytes())
+        for path in self.inputs:
+            h.update(path.read_bytes())
+        return h.hexdigest()[:12]
+
+
+BUILT_MODELS: dict[str, BuiltModel] = {
+    "tiny": BuiltModel("tiny-model", TINY_SCRIPT, "make_tiny_model"),
+    "tiny-search": BuiltModel("tiny-search-model", TINY_SEARCH_SCRIPT, "make_tiny_search_model",
+                              (TINY_SCRIPT, SEARCH_KB)),
+}
+"""Model names built from scripts (:func:`built_model_dir`), by the name a config's ``model`` uses."""
 
 
 def cache_dir() -> Path:
@@ -25,38 +67,63 @@ def cache_dir() -> Path:
     return path
 
 
-def tiny_model_dir() -> Path:
-    """The tiny model's directory, building it once per version of the script.
+def built_model_dir(name: str) -> Path:
+    """The directory of built model ``name`` (a key of :data:`BUILT_MODELS`), building it once per version
+    of its script and inputs (under a file lock, into a temporary directory renamed into place).
 
     Raises:
-        FileNotFoundError: the script is missing (AstraFlow not installed from a checkout).
+        KeyError: ``name`` is not a built model.
+        FileNotFoundError: the script or an input is missing (AstraFlow not installed from a checkout).
     """
-    if not TINY_SCRIPT.is_file():
-        raise FileNotFoundError(f"{TINY_SCRIPT} is missing: the tiny model is built from a source checkout")
-    digest = hashlib.sha256(TINY_SCRIPT.read_bytes()).hexdigest()[:12]
+    if name not in BUILT_MODELS:
+        raise KeyError(f"no built model named {name!r} (known: {', '.join(BUILT_MODELS)})")
+    spec = BUILT_MODELS[name]
+    for path in (spec.script, *spec.inputs):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: the {name} model is built from a source checkout")
+    digest = spec.digest()
     cache = cache_dir()
-    target = cache / f"tiny-model-{digest}"
-    with open(cache / f"tiny-model-{digest}.lock", "w") as lock:
+    target = cache / f"{spec.prefix}-{digest}"
+    with open(cache / f"{spec.prefix}-{digest}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
-            spec = importlib.util.spec_from_file_location("make_tiny_model", TINY_SCRIPT)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            tmp = cache / f"tiny-model-{digest}.tmp-{os.getpid()}"
+            module_spec = importlib.util.spec_from_file_location(spec.script.stem, spec.script)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+            tmp = cache / f"{spec.prefix}-{digest}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
-            module.make_tiny_model(tmp)
+            getattr(module, spec.builder)(tmp)
             os.replace(tmp, target)
     return target
 
 
+def tiny_model_dir() -> Path:
+    """The tiny arithmetic model's directory (:func:`built_model_dir` of ``tiny``).
+
+    Raises:
+        FileNotFoundError: the script is missing (AstraFlow not installed from a checkout).
+    """
+    return built_model_dir("tiny")
+
+
+def tiny_search_model_dir() -> Path:
+    """The tiny search model's directory (:func:`built_model_dir` of ``tiny-search``).
+
+    Raises:
+        FileNotFoundError: the script or the knowledge base is missing (AstraFlow not installed from a checkout).
+    """
+    return built_model_dir("tiny-search")
+
+
 def resolve_model(spec: str) -> Path:
-    """The model directory for a config's ``model`` value: ``tiny`` or a path.
+    """The model directory for a config's ``model`` value: a name in :data:`BUILT_MODELS` (``tiny``,
+    ``tiny-search``) or a path.
 
     Raises:
         FileNotFoundError: the path is not a directory holding ``config.json``.
     """
-    if spec == "tiny":
-        return tiny_model_dir()
+    if spec in BUILT_MODELS:
+        return built_model_dir(spec)
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model {spec!r}: {path} is not an HF model directory (no config.json)")

@@ -5,6 +5,9 @@ The reward of a prompt is ``prompt.metadata["reward"]`` when set, else its
 
 - ``arith``: 1.0 when the completion, stripped and cut at the first EOS marker
   or newline, equals the gold answer exactly, else 0.0;
+- ``search``: the search-agent demo's answer check, the same exact match as
+  ``arith``; the completion is the last model turn's text (after the search
+  call and its result), so a turn that searches again or answers wrongly scores 0.0;
 - ``math``: 1.0 when math-verify finds the completion's final answer
   equivalent to the gold answer (``math_verify.parse`` + ``math_verify.verify``);
   run in a process pool, and an item that runs past its timeout (math-verify can
@@ -111,6 +114,17 @@ def strip_to_eos(completion: str) -> str:
 def arith_reward(prompt: Prompt, completion: str) -> float:
     """1.0 when the completion up to EOS is exactly ``prompt.answer``, else 0.0."""
     return float(prompt.answer is not None and strip_to_eos(completion) == prompt.answer.strip())
+
+
+@register_reward("search")
+def search_reward(prompt: Prompt, completion: str) -> float:
+    """1.0 when the last model turn's text (``completion``), cut at EOS or newline by :func:`strip_to_eos`, is
+    exactly ``prompt.answer`` (the looked-up code, e.g. ``"381"``), else 0.0 (also when the prompt has no answer)."""
+    return float(prompt.answer is not None and strip_to_eos(completion) == prompt.answer.strip())
+
+
+#: Task types whose gold completion is the bare answer (exact-match rewards), not a boxed math answer.
+EXACT_ANSWER_TASKS = frozenset({"arith", "search"})
 
 
 def _gold_latex(answer: str) -> str:
@@ -335,7 +349,8 @@ def perturb_answer(answer: str) -> str:
 
 
 def gold_completion(prompt: Prompt) -> str:
-    """A completion that should earn full reward: the boxed gold answer (math, arith) or the reference solution (code).
+    """A completion that should earn full reward: the gold answer (arith, search: :data:`EXACT_ANSWER_TASKS`), the
+    boxed gold answer (math) or the reference solution (code).
 
     Raises:
         ValueError: the prompt has no gold answer or reference solution.
@@ -347,11 +362,11 @@ def gold_completion(prompt: Prompt) -> str:
         return solution
     if prompt.answer is None:
         raise ValueError(f"prompt {prompt.prompt_id} has no gold answer")
-    return prompt.answer if prompt.task_type == "arith" else f"The final answer is $\\boxed{{{prompt.answer}}}$."
+    return prompt.answer if prompt.task_type in EXACT_ANSWER_TASKS else f"The final answer is $\\boxed{{{prompt.answer}}}$."
 
 
 def wrong_completion(prompt: Prompt) -> str:
-    """A completion that should earn no reward: a perturbed answer (math, arith), or code whose
+    """A completion that should earn no reward: a perturbed answer (math, arith, search), or code whose
     entry point returns ``None`` (HumanEval: the body ``return None``; otherwise the reference
     solution followed by a redefinition of the entry point).
 
@@ -367,7 +382,7 @@ def wrong_completion(prompt: Prompt) -> str:
     if prompt.answer is None:
         raise ValueError(f"prompt {prompt.prompt_id} has no gold answer")
     wrong = perturb_answer(prompt.answer)
-    return wrong if prompt.task_type == "arith" else f"The final answer is $\\boxed{{{wrong}}}$."
+    return wrong if prompt.task_type in EXACT_ANSWER_TASKS else f"The final answer is $\\boxed{{{wrong}}}$."
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ A source is a list of raw records (dicts) plus an *adapter* that turns record
   optional ``datasets`` package);
 - the synthetic ``arith`` task (``a+b=``), the CPU demo's task.
 
+The ``search`` source is the search-agent demo's questions (``code of <name>?``), whose answers are
+only in the search tool's corpus (``producers/data/search_kb.jsonl``).
+
 Built-in datasets ship in ``producers/data`` (see ``producers/data/SOURCES.md``
 for provenance and licences) and are named in :data:`SOURCES`.
 
@@ -202,6 +205,16 @@ def adapt_arith(record: dict[str, Any], index: int, source: str) -> Prompt:
                   answer=str(a + b), metadata=_metadata(index, text))
 
 
+def adapt_search(record: dict[str, Any], index: int, source: str) -> Prompt:
+    """Search-agent questions (``search_qa.jsonl``): text ``question`` (e.g. ``"code of kavor?\\n"``), answer
+    ``answer`` (the entity's code, found only in the search tool's corpus); ``entity`` is kept in the metadata."""
+    question = _field(record, "question")
+    if not isinstance(question, str):
+        raise SourceError(f"field 'question' holds {type(question).__name__}, not the question's text")
+    return Prompt(prompt_id=prompt_id(source, index), source=source, task_type="search", text=question,
+                  answer=_answer(record, "answer"), metadata=_metadata(index, question, entity=record.get("entity")))
+
+
 def make_generic_adapter(text_field: str | None = None, answer_field: str | None = None,
                          task_type: str = "math") -> Adapter:
     """An adapter for any record with a question field and an answer field.
@@ -237,6 +250,7 @@ ADAPTERS: dict[str, Adapter] = {
     "humaneval": adapt_humaneval,
     "mbpp": adapt_mbpp,
     "arith": adapt_arith,
+    "search": adapt_search,
 }
 
 
@@ -457,8 +471,11 @@ SOURCES: dict[str, SourceSpec] = {
     "humaneval": SourceSpec("HumanEval.jsonl.gz", "humaneval"),
     "mbpp": SourceSpec("mbpp_sanitized.jsonl", "mbpp"),
     "arith": SourceSpec(None, "arith"),
+    "search": SourceSpec("search_qa.jsonl", "search"),
 }
-"""Built-in sources by name. ``gsm8k`` is the 1319-problem test split."""
+"""Built-in sources by name. ``gsm8k`` is the 1319-problem test split; ``search`` is the search-agent demo's
+512 questions (``scripts/make_search_kb.py``), answerable only through the search tool's corpus
+(``search_kb.jsonl``)."""
 
 
 def source_name(name_or_path: str | Path) -> str:

@@ -154,6 +154,19 @@ def sampled_accuracy(model, tokenizer, seed: int = 0) -> float:
     return solved / total
 
 
+def save_built(model, tokenizer, out: Path, calibration: dict) -> None:
+    """Save a built ``model`` and its ``tokenizer`` to ``out`` (created; the generation config gets the
+    tokenizer's pad, bos and eos ids) with ``calibration.json``: ``calibration`` plus ``params``."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    params = sum(p.numel() for p in model.parameters())
+    (out / "calibration.json").write_text(json.dumps({**calibration, "params": params}, indent=1))
+
+
 def make_tiny_model(out_dir: str | Path, steps: int = 300, seed: int = 0, batch_size: int = 64,
                     lr: float = 3e-3, verbose: bool = True) -> Path:
     """Build, pre-train and save the tiny model and tokenizer to ``out_dir``.
@@ -199,16 +212,9 @@ def make_tiny_model(out_dir: str | Path, steps: int = 300, seed: int = 0, batch_
             break
     if verbose and not ACC_RANGE[0] <= acc <= ACC_RANGE[1]:
         print(f"warning: sampled accuracy {acc:.3f} is outside {ACC_RANGE} after {done} steps", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     seconds = time.perf_counter() - start
-    (out / "calibration.json").write_text(json.dumps(
-        {"steps": done, "sampled_accuracy": acc, "seconds": round(seconds, 2), "seed": seed,
-         "params": sum(p.numel() for p in model.parameters())}, indent=1))
+    save_built(model, tokenizer, out, {"steps": done, "sampled_accuracy": acc, "seconds": round(seconds, 2),
+                                       "seed": seed})
     if verbose:
         print(f"saved to {out} after {done} steps, {seconds:.1f} s; sampled accuracy {acc:.3f}")
     return out

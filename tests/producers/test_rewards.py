@@ -76,7 +76,7 @@ def test_perturbed_answers_differ():
     assert perturb_answer("\\text{Evelyn}") == "\\text{Evelyn}+1"
 
 
-@pytest.mark.parametrize("dataset,gold_min", [("math500", 0.99), ("gsm8k", 0.99), ("humaneval", 0.98)])
+@pytest.mark.parametrize("dataset,gold_min", [("math500", 0.99), ("gsm8k", 0.99), ("humaneval", 0.98), ("search", 1.0)])
 def test_verify_rewards_meets_the_thresholds(dataset, gold_min):
     result = CliRunner().invoke(app, ["verify-rewards", "--dataset", dataset, "--limit", "50"])
     assert result.exit_code == 0, result.output
