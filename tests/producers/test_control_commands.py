@@ -70,6 +70,11 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
         assert steps(worker, 20, until=4) >= 4 and worker.paused_reason == ""  # one group per prompt
 
         _control(path, "pause", "--worker", "0", seen_by=(worker,))  # one worker: this one
+        for _ in range(40):  # a pause starts no prompt: the ones in flight finish
+            if not worker.episodes:
+                break
+            worker.step()
+        assert not worker.episodes
         before = produced()
         assert steps(worker) == before
         assert worker.paused_reason.startswith("paused by control (raas.single_turn/raas-0")
