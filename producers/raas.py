@@ -188,7 +188,11 @@ class RaasWorker:
         calls, under the episodes in flight, and the next pull starts once it is loaded. Over a slow link
         (a worker in another region) a pull takes seconds of round trips that generation now overlaps;
         the staleness rules (:meth:`pause_reason`) still judge the engine's version, the one rolled out.
-        A vLLM server that reads the store itself pulls in this thread, as before.
+        A vLLM server that reads the store itself is told to pull on the engine's thread the same way.
+        Nothing here waits on the store: the listing that finds the newest durable version waits at most
+        a second (:meth:`~weights.puller.Puller.newest_durable`), so a store that hangs leaves rollout
+        going on the weights it has, with a warning within
+        :attr:`~weights.puller.Puller.STORE_PATIENCE_S` seconds.
 
         Failures are logged and retried at a later call: the store could not serve the version
         (:class:`WeightsUnavailable`), or the engine could not load it (:class:`EngineUpdateError`; the
@@ -206,7 +210,7 @@ class RaasWorker:
                     loading.result()
                     puller.changed = set()
                     log.info("%s: policy %s now at version %d", self.id, p, engine.version)
-                except EngineUpdateError as e:
+                except (WeightsUnavailable, EngineUpdateError) as e:
                     log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p, e)
             pulling = self._pulls.get(p)
             if pulling is not None:
@@ -223,12 +227,9 @@ class RaasWorker:
             newest = puller.newest_durable()
             if newest is None or newest <= max(engine.version, puller.version or 0):
                 continue
-            if engine.pulls_from_store:  # the vLLM server reads the store itself
-                try:
-                    engine.pull(self.cfg.store, self.cfg.run, p, newest, puller.announced[newest].sha256)
-                    log.info("%s: policy %s now at version %d", self.id, p, engine.version)
-                except (WeightsUnavailable, EngineUpdateError) as e:
-                    log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p, e)
+            if engine.pulls_from_store:  # the vLLM server reads the store itself, on the engine's thread
+                self._loads[p] = (self.batchers[p].submit(engine.pull, self.cfg.store, self.cfg.run, p, newest,
+                                                          puller.announced[newest].sha256), newest)
                 continue
             self._pulls[p] = threading.Thread(target=self._pull, args=(p, newest), daemon=True,
                                               name=f"{self.id}-pull-{p}")

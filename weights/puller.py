@@ -20,8 +20,10 @@ through ``on_update(state, version)`` (in memory, e.g. ``model.load_state_dict``
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +79,9 @@ class Puller:
         topics.bus.BusError: the ``weights`` topic does not exist, or the bus failed.
     """
 
+    #: seconds a store listing may go unanswered before :meth:`newest_durable` warns
+    STORE_PATIENCE_S = 5.0
+
     def __init__(self, store: WeightStore, bus: Bus | None, names: TopicNames, policy: str, *,
                  state: dict[str, torch.Tensor] | None = None, version: int | None = None,
                  sha256: str | None = None, on_update: Callable[[dict[str, torch.Tensor], int], None] | None = None,
@@ -93,6 +98,8 @@ class Puller:
         self._bases: dict[int, int] = {}
         self._bad: set[str] = set()
         self._durable: tuple[int, float, int | None] | None = None  # (newest announced, when, answer)
+        # the store listing in flight: (its future, when it started, whether its wait was warned about)
+        self._listing: tuple[concurrent.futures.Future, float, bool] | None = None
         self._announcements = (Follower(bus, names.weights, WeightAnnouncement, client_id=f"puller-{policy}")
                                if bus is not None else None)
 
@@ -102,24 +109,44 @@ class Puller:
         loaded version are forgotten after each :meth:`sync`."""
         return max(self.announced) if self.announced else None
 
-    def newest_durable(self, ttl_s: float = 2.0) -> int | None:
+    def newest_durable(self, ttl_s: float = 2.0, wait_s: float = 1.0) -> int | None:
         """The newest announced version whose object is in the store, else the local version.
 
         An announcement whose object is not there (a crash between upload and announce, a
         deleted object, a foreign writer: a "ghost") is not a target; a late upload makes it
         one. The store listing is reused for ``ttl_s`` seconds while no newer announcement
-        arrives; when the listing fails, the last answer stands.
+        arrives. A new listing runs in a thread of its own and is waited for at most ``wait_s``
+        seconds: a store that hangs (a frozen server holds a request until the client's timeout)
+        never holds the caller, a rollout loop, longer than that. Until it answers, and when it
+        fails, the last answer stands; a listing that has not answered for
+        :attr:`STORE_PATIENCE_S` seconds gets one warning naming the store, and one line when the
+        store answers again.
         """
         newest = self.newest
         if newest is None:
             return self.version
         if self._durable is not None and self._durable[0] == newest and time.monotonic() - self._durable[1] < ttl_s:
             return self._durable[2]
+        last = self._durable[2] if self._durable is not None else self.version
+        if self._listing is None:
+            self._listing = (self._list_in_thread(), time.monotonic(), False)
+            concurrent.futures.wait([self._listing[0]], timeout=wait_s)
+        listing, since, warned = self._listing
+        if not listing.done():
+            waited = time.monotonic() - since
+            if waited >= self.STORE_PATIENCE_S and not warned:
+                log.warning("puller %s: the store (%s) has not answered a listing for %.0f s; rolling out on "
+                            "version %s until it does", self.policy, self.store.uri_of(""), waited, last)
+                self._listing = (listing, since, True)
+            return last
+        self._listing = None
         try:
-            stored = self.store.versions(self.policy)
+            stored = listing.result()
         except StoreError as e:
             log.warning("puller %s: cannot list the store (%s); keeping the last durable version", self.policy, e)
-            return self._durable[2] if self._durable is not None else self.version
+            return last
+        if warned:
+            log.warning("puller %s: the store answered again after %.1f s", self.policy, time.monotonic() - since)
         durable = max((v for v in self.announced if v in stored), default=self.version)
         if self.version is not None and durable is not None:
             durable = max(durable, self.version)
@@ -128,6 +155,20 @@ class Puller:
                         self.policy, newest, durable)
         self._durable = (newest, time.monotonic(), durable)
         return durable
+
+    def _list_in_thread(self) -> concurrent.futures.Future:
+        """The store listing of this policy's versions, run in a daemon thread (a hung request never
+        holds the process's exit)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def list_versions() -> None:
+            try:
+                future.set_result(self.store.versions(self.policy))
+            except BaseException as e:  # handed to the caller through the future
+                future.set_exception(e)
+
+        threading.Thread(target=list_versions, daemon=True, name=f"list-{self.policy}").start()
+        return future
 
     def poll(self, timeout_s: float = 0.0) -> int | None:
         """Read new announcements for this policy, waiting up to ``timeout_s`` seconds for the first;
@@ -144,7 +185,7 @@ class Puller:
         return self.newest
 
     def close(self) -> None:
-        """Stop following announcements."""
+        """Stop following announcements (a store listing in flight finishes in its daemon thread)."""
         if self._announcements is not None:
             self._announcements.close()
 

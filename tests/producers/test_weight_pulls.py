@@ -1,6 +1,9 @@
 """A RaaS worker pulls new weights in a thread of its own: over a slow store (a real S3 server behind
 ``scripts/latency_proxy.py``, 300 ms each way) it keeps rolling out with the weights its engine has while the
 pull runs, and hands the new version to its engine between batches once the pull is done."""
+import contextlib
+import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -23,21 +26,24 @@ from weights.store import WeightStore
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("bus_url", ["local"], indirect=True)
-def test_rollout_goes_on_while_a_slow_pull_runs(tmp_path, bus_url, tiny_model_dir, s3_endpoint, monkeypatch):
+@contextlib.contextmanager
+def worker_behind_proxy(tmp_path, bus_url, tiny_model_dir, s3_endpoint, monkeypatch, one_way_ms: int):
+    """A RaaS worker whose store is a real S3 server behind ``scripts/latency_proxy.py`` (``one_way_ms`` each
+    way), with 200 arith prompts acquired; yields (the worker, the proxy process, a publisher straight to the
+    store: the trainer's side, no proxy)."""
     bucket = f"pull-{uuid.uuid4().hex[:8]}"
     httpx.put(f"{s3_endpoint}/{bucket}").raise_for_status()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proxy = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "latency_proxy.py"), "--one-way-ms", "300",
-                              f"127.0.0.1:{port}={s3_endpoint.removeprefix('http://')}"], stdout=subprocess.PIPE,
-                             text=True)
+    proxy = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "latency_proxy.py"), "--one-way-ms",
+                              str(one_way_ms), f"127.0.0.1:{port}={s3_endpoint.removeprefix('http://')}"],
+                             stdout=subprocess.PIPE, text=True)
     try:
         assert proxy.stdout.readline().strip() == "ready"
         for name, value in (("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}"), ("AWS_ACCESS_KEY_ID", "test"),
                             ("AWS_SECRET_ACCESS_KEY", "test"), ("AWS_REGION", "us-east-1")):
-            monkeypatch.setenv(name, value)  # the worker's store: through the slow link
+            monkeypatch.setenv(name, value)  # the worker's store: through the proxy
         path = tmp_path / "run.yaml"
         path.write_text(f"""
 run: pull{uuid.uuid4().hex[:8]}
@@ -56,29 +62,73 @@ raas: {{batch_prompts: 2, max_inflight_groups: 1000}}
         bus.admin().ensure_run_topics(names, ["actor"])
         assert acquire_run(cfg) == 200
         worker = RaasWorker(cfg, 0, bus)
+        pub = Publisher(WeightStore(cfg.store, cfg.run, endpoint=s3_endpoint), bus, names, "actor")
         try:
-            direct = WeightStore(cfg.store, cfg.run, endpoint=s3_endpoint)  # the trainer's side: no slow link
-            pub = Publisher(direct, bus, names, "actor")
-            pub.publish(load_file(str(Path(tiny_model_dir) / "model.safetensors")), 1)
-            assert pub.wait(60) and not pub.errors
-            pub.close()
-            deadline = time.monotonic() + 30
-            while "actor" not in worker._pulls:  # the announcement arrives; the next step starts the pull
-                assert time.monotonic() < deadline, "no pull started"
-                worker.step()
-            started, rolled = time.monotonic(), 0
-            while worker._pulls.get("actor") is not None and worker._pulls["actor"].is_alive():
-                assert time.monotonic() < deadline + 60, "the pull did not end"
-                rolled += worker.step()
-            pulled_s = time.monotonic() - started
-            assert worker.engines["actor"].version == 0  # the pull ran beside the rollout
-            assert pulled_s > 1.2 and rolled >= 4, (pulled_s, rolled)  # a full pull is several round trips
-            while worker.engines["actor"].version != 1:  # loaded on the engine's thread, between two calls
-                assert time.monotonic() < deadline + 90, "version 1 was not loaded"
-                worker.step()
-            assert worker.pullers["actor"].version == 1
+            yield worker, proxy, pub
         finally:
+            pub.close()
             worker.close()
     finally:
+        proxy.send_signal(signal.SIGCONT)
         proxy.kill()
         proxy.wait()
+
+
+def publish(pub: Publisher, tiny_model_dir, version: int) -> None:
+    """Publish the tiny model as ``version`` (durable and announced when this returns)."""
+    pub.publish(load_file(str(Path(tiny_model_dir) / "model.safetensors")), version)
+    assert pub.wait(60) and not pub.errors
+
+
+@pytest.mark.parametrize("bus_url", ["local"], indirect=True)
+def test_rollout_goes_on_while_a_slow_pull_runs(tmp_path, bus_url, tiny_model_dir, s3_endpoint, monkeypatch):
+    with worker_behind_proxy(tmp_path, bus_url, tiny_model_dir, s3_endpoint, monkeypatch, 300) as (worker, _, pub):
+        publish(pub, tiny_model_dir, 1)
+        deadline = time.monotonic() + 30
+        while "actor" not in worker._pulls:  # the announcement arrives; the next step starts the pull
+            assert time.monotonic() < deadline, "no pull started"
+            worker.step()
+        started, rolled = time.monotonic(), 0
+        while worker._pulls.get("actor") is not None and worker._pulls["actor"].is_alive():
+            assert time.monotonic() < deadline + 60, "the pull did not end"
+            rolled += worker.step()
+        pulled_s = time.monotonic() - started
+        assert worker.engines["actor"].version == 0  # the pull ran beside the rollout
+        assert pulled_s > 1.2 and rolled >= 4, (pulled_s, rolled)  # a full pull is several round trips
+        while worker.engines["actor"].version != 1:  # loaded on the engine's thread, between two calls
+            assert time.monotonic() < deadline + 90, "version 1 was not loaded"
+            worker.step()
+        assert worker.pullers["actor"].version == 1
+
+
+@pytest.mark.parametrize("bus_url", ["local"], indirect=True)
+def test_rollout_goes_on_while_the_store_hangs(tmp_path, bus_url, tiny_model_dir, s3_endpoint, monkeypatch, caplog):
+    """The worker's path to the store frozen (the proxy SIGSTOPped: connections open, nothing answers, as from
+    a hung server) while a new version is announced: each step still returns within about a second, groups keep
+    coming on the weights the engine has, a warning names the store within 5 s, and once the store answers
+    again the new version is loaded."""
+    with worker_behind_proxy(tmp_path, bus_url, tiny_model_dir, s3_endpoint, monkeypatch, 0) as (worker, proxy, pub):
+        publish(pub, tiny_model_dir, 1)
+        deadline = time.monotonic() + 60
+        while worker.engines["actor"].version != 1:
+            assert time.monotonic() < deadline, "version 1 was not loaded"
+            worker.step()
+        proxy.send_signal(signal.SIGSTOP)
+        hung = time.monotonic()
+        publish(pub, tiny_model_dir, 2)  # durable (straight to the store) and announced; the worker cannot list it
+        rolled, slowest, warned_at = 0, 0.0, None
+        with caplog.at_level(logging.WARNING, logger="weights.puller"):
+            while time.monotonic() - hung < 10:
+                started = time.monotonic()
+                rolled += worker.step()
+                slowest = max(slowest, time.monotonic() - started)
+                if warned_at is None and "has not answered a listing" in caplog.text:
+                    warned_at = time.monotonic() - hung
+        # before: the listing ran on the rollout loop, and one step waited out the client's 30 s timeout
+        assert slowest < 2.5 and rolled >= 8, (slowest, rolled)
+        assert warned_at is not None and warned_at < 6.5, (warned_at, caplog.text[-2000:])
+        assert worker.engines["actor"].version == 1
+        proxy.send_signal(signal.SIGCONT)
+        while worker.engines["actor"].version != 2:
+            assert time.monotonic() < deadline + 90, "version 2 was not loaded after the store came back"
+            worker.step()
