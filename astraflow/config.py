@@ -205,7 +205,8 @@ class RaasConfig(_Strict):
                                         "starve); None: batch_groups x max(max_staleness, 1) per policy")
     session_timeout_s: float = Field(default=30.0, gt=0, description="seconds before a dead worker's prompts move")
     max_episodes: int = Field(default=256, ge=1, description="the most samples (episodes) a worker rolls out at "
-                              "once, over every prompt in flight; a prompt starts while fewer are in flight")
+                              "once, over every prompt in flight (a sample that ended while the others of its group "
+                              "run does not count); a prompt starts while fewer are running")
 
 
 class EvalConfig(_Strict):

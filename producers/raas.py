@@ -56,7 +56,7 @@ from producers.engine_batcher import EngineBatcher
 from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, SamplingParams
 from producers.hf_engine import HFEngine
 from producers.prompt_ledger import PromptLedger
-from producers.workflows import Tool, get_workflow, prompt_ids
+from producers.workflows import Tool, episode_ended, get_workflow, prompt_ids
 from topics.bus import Bus, BusError, Record, TopicPartition, connect
 from topics.patience import patiently
 from topics.codec import encode, headers_for
@@ -172,7 +172,8 @@ class RaasWorker:
         self.batchers = {p: EngineBatcher(e, name=f"{self.id}-{p}") for p, e in self.engines.items()}
         self.tools: dict[str, Tool] = make_tools(cfg)
         self.ledger = PromptLedger()
-        self.episodes: dict[asyncio.Task, tuple[Record, int]] = {}  # rollout task -> (its prompt's record, samples)
+        # rollout task -> [its prompt's record, its episodes still running (workflows.episode_ended)]
+        self.episodes: dict[asyncio.Task, list] = {}
         self._loads: dict[str, tuple[concurrent.futures.Future, int]] = {}  # policy -> (a load on its engine, version)
         self._consumer_paused = False
 
@@ -397,8 +398,9 @@ class RaasWorker:
 
     @property
     def episodes_inflight(self) -> int:
-        """Samples (episodes) being rolled out now, over every prompt in flight."""
-        return sum(n for _, n in self.episodes.values())
+        """Samples (episodes) being rolled out now, over every prompt in flight: a sample that ended while its
+        group's others run does not count (it holds no engine or tool time)."""
+        return sum(running for _, running in self.episodes.values())
 
     def step(self, stop: threading.Event | None = None) -> int:
         """One tick of the episode scheduler: sync weights, apply backpressure and commands, start the
@@ -473,7 +475,7 @@ class RaasWorker:
             if not too_long:
                 self.ledger.add(record)
                 task = self.loop.create_task(self._rollout(record, prompt), name=f"rollout {prompt.prompt_id}")
-                self.episodes[task] = (record, prompt.n_samples)
+                self.episodes[task] = [record, prompt.n_samples]
                 started += 1
             elif self.ledger.blocked(record):
                 self.ledger.hold(record, too_long)
@@ -484,6 +486,12 @@ class RaasWorker:
 
     async def _rollout(self, record: Record, prompt: Prompt) -> None:
         """Roll ``prompt`` out (its G episodes concurrently) and write its groups (not flushed)."""
+        entry = self.episodes[asyncio.current_task()]
+
+        def ended() -> None:
+            entry[1] = max(0, entry[1] - 1)
+
+        episode_ended.set(ended)  # in this task's context: its episodes' tasks inherit it
         groups = await self.workflow.rollout(prompt, self.batchers, self.sampling, self.tools)
         self.write(groups)
         self.ledger.done(record)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextvars
 import dataclasses
 import hashlib
 from typing import Any, Awaitable, Callable, ClassVar, Mapping
@@ -130,7 +131,7 @@ class Workflow(abc.ABC):
     """One agent workflow. Subclasses set ``roles`` (role -> default policy name) and implement :meth:`rollout`.
 
     A workflow is a coroutine: each of the G samples of a prompt is an episode of its own (gathered
-    with :func:`asyncio.gather`) that awaits engine calls (:class:`~producers.engine_batcher.EngineBatcher`
+    with :func:`gather_episodes`) that awaits engine calls (:class:`~producers.engine_batcher.EngineBatcher`
     batches them with every other episode's), tool calls and other roles' turns. So an episode waiting
     on a tool or on another role holds no engine time, and a RaaS worker keeps many in flight
     (``raas.max_episodes``, :class:`~producers.raas.RaasWorker`).
@@ -207,6 +208,27 @@ class Workflow(abc.ABC):
                                      group_id=group_id_for(prompt, policy, role),
                                      policy=policy, source=prompt.source,
                                      task_type=prompt.task_type, workflow=self.name)
+
+
+#: set by a scheduler (the RaaS worker) in a rollout's task: called once as each of its episodes ends, so the
+#: scheduler counts the episodes still running (a finished one waits for its group's slowest at no cost)
+episode_ended: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("episode_ended",
+                                                                                           default=None)
+
+
+async def gather_episodes(episodes: list[Awaitable[Any]]) -> list[Any]:
+    """:func:`asyncio.gather` of one prompt's episodes (results in order), telling the scheduler as each
+    ends (:data:`episode_ended`, when set). An error in one is raised, as by ``gather``."""
+    ended = episode_ended.get()
+
+    async def episode(aw: Awaitable[Any]) -> Any:
+        try:
+            return await aw
+        finally:
+            if ended is not None:
+                ended()
+
+    return list(await asyncio.gather(*(episode(aw) for aw in episodes)))
 
 
 async def rewards_of(prompt: Prompt, completions: list[str]) -> list[float]:
@@ -310,8 +332,8 @@ class SolveVerifyRetry(Workflow):
                       tools: Mapping[str, Tool]) -> list[TrajectoryGroup]:
         solver, verifier = self.engine(engines, "solver"), self.engine(engines, "verifier")
         ids = prompt_ids(solver.tokenizer, prompt)
-        episodes = await asyncio.gather(*(self._episode(prompt, solver, verifier, ids, sampling)
-                                          for _ in range(prompt.n_samples)))
+        episodes = await gather_episodes([self._episode(prompt, solver, verifier, ids, sampling)
+                                          for _ in range(prompt.n_samples)])
         sol, ver, answers, final, accepted = map(list, zip(*episodes))
         correct = [r > 0.5 for r in await rewards_of(prompt, answers)]
         solver_rewards = await rewards_of(prompt, final)
@@ -385,7 +407,7 @@ class PlanExecuteCritique(Workflow):
 
     async def rollout(self, prompt: Prompt, engines: Mapping[str, EngineBatcher], sampling: SamplingParams,
                       tools: Mapping[str, Tool]) -> list[TrajectoryGroup]:
-        episodes = await asyncio.gather(*(self._episode(prompt, engines, sampling) for _ in range(prompt.n_samples)))
+        episodes = await gather_episodes([self._episode(prompt, engines, sampling) for _ in range(prompt.n_samples)])
         plans, exes, crits, answers, verdicts = map(list, zip(*episodes))
         outcome = await rewards_of(prompt, answers)
         critic_rewards = [float(accepts(v) == (c > 0.5)) for v, c in zip(verdicts, outcome)]
@@ -468,7 +490,7 @@ class ToolLoop(Workflow):
                       tools: Mapping[str, Tool]) -> list[TrajectoryGroup]:
         eng = self.engine(engines, "policy")
         ids = prompt_ids(eng.tokenizer, prompt)
-        episodes = await asyncio.gather(*(self._episode(eng, ids, sampling, tools) for _ in range(prompt.n_samples)))
+        episodes = await gather_episodes([self._episode(eng, ids, sampling, tools) for _ in range(prompt.n_samples)])
         rewards = await rewards_of(prompt, [text for _, text in episodes])
         return [self.group(prompt, "policy", [t.to_sample(r) for (t, _), r in zip(episodes, rewards)])]
 

@@ -1,11 +1,14 @@
 """Workflows on the tiny model: group shapes, loss masks, versions and rewards."""
+import asyncio
+
 import numpy as np
 import pytest
 import torch
 
 from producers.engines import Engine, Generation, SamplingParams
 from producers.hf_engine import HFEngine
-from producers.workflows import WORKFLOWS, accepts, get_workflow, group_id_for, prompt_ids
+from producers.workflows import (WORKFLOWS, accepts, episode_ended, gather_episodes, get_workflow, group_id_for,
+                                 prompt_ids)
 from topics.codec import decode, encode
 from topics.schemas import Prompt, TrajectoryGroup
 
@@ -230,3 +233,27 @@ def test_concurrent_rollouts_share_one_generate_call_and_make_the_groups_of_each
     batched = together(engine, greedy)
     for p, groups in zip(prompts, batched):
         assert_same_groups(groups, wf.run(p, {"actor": engine}, greedy), atol=1e-5)
+
+
+def test_a_scheduler_hears_each_episode_end_as_it_ends():
+    """gather_episodes returns results in order and calls the scheduler's episode_ended hook as each episode
+    ends (the RaaS worker counts the running ones against raas.max_episodes), not when the slowest does."""
+    async def episode(delay: float, value: int) -> int:
+        await asyncio.sleep(delay)
+        return value
+
+    async def rollout() -> tuple[list[int], list[tuple[int, float]]]:
+        running, heard, start = [3], [], asyncio.get_running_loop().time()
+
+        def ended() -> None:
+            running[0] -= 1
+            heard.append((running[0], asyncio.get_running_loop().time() - start))
+
+        episode_ended.set(ended)
+        return await gather_episodes([episode(0.3, 1), episode(0.0, 2), episode(0.1, 3)]), heard
+
+    results, heard = asyncio.run(rollout())
+    assert results == [1, 2, 3]
+    assert [n for n, _ in heard] == [2, 1, 0]
+    assert heard[0][1] < heard[1][1] < 0.29 <= heard[2][1], heard  # the quick ones are heard before the slowest ends
+    assert asyncio.run(gather_episodes([episode(0, 7)])) == [7]  # no scheduler: nothing to tell
