@@ -8,20 +8,26 @@ float32 behaviour logprobs, int32 versions). "Ours" encodes each group with
 decodes and validates every group, and commits after each batch. The baseline
 pushes the same pre-encoded bytes through a raw confluent-kafka producer and
 consumer (same batch commits, no decode). The embedded ``local://`` backend is
-measured the same way as ours.
+measured the same way as ours. The three run in ``--repeats`` interleaved rounds
+(ours, raw, local; then local, raw, ours; ...), and every run is printed.
 
-    python scripts/bench_bus.py [--quick] [--kafka 127.0.0.1:9092]
+    python scripts/bench_bus.py [--quick] [--kafka 127.0.0.1:9092] [--repeats 3]
 
 Ends with one JSON line: {"metric": "bus_throughput", "ours": groups/s,
-"baseline": groups/s, "ratio": ours/baseline, ...}.
+"baseline": groups/s (medians over the rounds), "ratio": the median of the
+rounds' ours/baseline, "ratio_spread": {"runs", "median", "min", "max"},
+"groups_s": {variant: {"runs", "median", "min", "max"}}, ...}. A round takes
+~1-2 s with ``--quick`` (150 groups), ~5 s by default (600), on 2 cores.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -29,6 +35,9 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from topics.bus import connect
 from topics.codec import decode, encode, headers_for
 from topics.schemas import Sample, TrajectoryGroup
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.spread import describe, interleaved, spread  # noqa: E402
 
 G, L, PROMPT = 8, 2048, 256
 
@@ -120,26 +129,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="150 groups instead of 600")
     ap.add_argument("--kafka", default="127.0.0.1:9092", help="broker address (host:port)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per variant; the best is reported")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the three variants")
     args = ap.parse_args()
     n = 150 if args.quick else 600
     groups = make_groups(n)
     payloads = [(g.prompt_id, encode(g)) for g in groups]
     mb = sum(len(v) for _, v in payloads) / 1e6
     raw_mb = sum(sum(s.input_ids.nbytes * 3 + s.loss_mask.nbytes for s in g.samples) for g in groups) / 1e6
-    print(f"{n} groups, G={G}, L={L}: {raw_mb:.1f} MB of arrays, {mb:.1f} MB encoded")
+    print(f"{n} groups, G={G}, L={L}: {raw_mb:.1f} MB of arrays, {mb:.1f} MB encoded; {args.repeats} interleaved "
+          f"round(s)")
 
-    ours = min(run_ours(f"kafka://{args.kafka}", groups)[0] for _ in range(args.repeats))
-    raw = min(run_raw(args.kafka, payloads) for _ in range(args.repeats))
+    names = {"ours": "ours (codec + kafka)", "raw": "raw confluent-kafka", "local": "ours (codec + local://)"}
+    seconds: dict[str, list[float]] = {k: [] for k in names}
     with tempfile.TemporaryDirectory() as d:
-        local = min(run_ours(f"local://{d}/bus", groups)[0] for _ in range(args.repeats))
-    rows = [("ours (codec + kafka)", ours), ("raw confluent-kafka", raw), ("ours (codec + local://)", local)]
-    for name, dt in rows:
-        print(f"{name:26s} {n / dt:8.1f} groups/s {mb / dt:8.1f} MB/s  ({dt:.2f} s)")
-    print(json.dumps({"metric": "bus_throughput", "unit": "groups/s", "ours": round(n / ours, 1),
-                      "baseline": round(n / raw, 1), "ratio": round(raw / ours, 3),
-                      "ours_mb_s": round(mb / ours, 1), "baseline_mb_s": round(mb / raw, 1),
-                      "local_groups_s": round(n / local, 1), "local_mb_s": round(mb / local, 1)}))
+        run = {"ours": lambda: run_ours(f"kafka://{args.kafka}", groups)[0],
+               "raw": lambda: run_raw(args.kafka, payloads),
+               "local": lambda: run_ours(f"local://{d}/bus", groups)[0]}
+        for r, name in interleaved(tuple(names), args.repeats):
+            seconds[name].append(run[name]())
+            dt = seconds[name][-1]
+            print(f"round {r}: {names[name]:26s} {n / dt:8.1f} groups/s {mb / dt:8.1f} MB/s  ({dt:.2f} s)", flush=True)
+    rates = {k: spread([n / dt for dt in v], 1) for k, v in seconds.items()}
+    ratio = spread([raw / ours for ours, raw in zip(seconds["ours"], seconds["raw"])], 3)
+    for k, name in names.items():
+        print(f"{name:26s} groups/s {describe(rates[k], '.1f')}")
+    print(f"ours / raw, round by round: {describe(ratio, '.3f')}")
+    print(json.dumps({"metric": "bus_throughput", "unit": "groups/s", "ours": rates["ours"]["median"],
+                      "baseline": rates["raw"]["median"], "ratio": ratio["median"], "ratio_spread": ratio,
+                      "groups_s": rates, "mb_per_group": round(mb / n, 4), "repeats": args.repeats,
+                      "local_groups_s": rates["local"]["median"]}))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ The workload is arith-tiny's (``examples/arith-tiny.yaml``): the built-in tiny m
 the exact-answer reward (:func:`producers.rewards.arith_reward`, the same function for both), 16 prompts x
 G=16 samples per step, 4 new tokens, temperature 1.8, AdamW at lr 5e-4 (constant, no weight decay, gradient
 norm clipped at 1), float32, no KL penalty. The two systems run one after the other, each given the same
-cores (``--cpus``, by CPU affinity; torch threads = their number):
+cores (``--cpus``, by CPU affinity; torch threads = their number), in rounds that interleave them (TRL
+AstraFlow, AstraFlow TRL, ...: :func:`scripts.spread.interleaved`), so that the machine's drift (~30% within
+an hour on a shared VM) hits both; round r runs both with seed r:
 
 * **TRL** 1.16 (the ``bench`` extra: ``scripts/install.sh bench``): one process, ``GRPOTrainer`` with
   ``use_cpu=True``, ``beta=0``, ``num_generations=16``, ``per_device_train_batch_size=256``,
@@ -20,12 +22,18 @@ steps. **Time to threshold** is the first wall time at which a system's reward, 
 steps, reaches it (None when it never does). **Reward at equal time** is each system's 20-step average at
 the wall time TRL took for all its steps.
 
-Printed: per run the wall time and reward gain, a table (time to threshold, reward at equal time, steps per
-second), the curves as one PNG (``--png``), and a last JSON line ``{"metric": "time_to_reward_vs_trl",
-"ours": s, "baseline": s, "ratio": ours / baseline, ...}``.
+Printed: per run the wall time and reward gain; a table of each figure's median and spread [min, max] over
+the runs; AstraFlow's time over TRL's round by round (wall time for equal steps, and time to threshold)
+with its spread; a verdict that says "parity" when that spread straddles 1 and "not met" when an AstraFlow
+run never reached the threshold; the curves as one PNG (``--png``); and a last JSON line
+``{"metric": "time_to_reward_vs_trl", "ours": s, "baseline": s, "ratio": median of the rounds' ratios (null
+unless every AstraFlow run reached the threshold), "wall_ratio": {"runs", "median", "min", "max"},
+"time_to_threshold_ratio": {...}, "systems": {name: {figure: {"runs", "median", "min", "max"}}},
+"verdict": ..., ...}``.
 
 Usage: ``scripts/bench_vs_trl.py [--quick] [--steps N] [--repeats N] [--cpus 0,1] [--png PATH]
-[--set KEY=VALUE ...] [--place KIND=CPUS[:THREADS] ...]``; ``--quick``: 200 steps, one repetition (~2 minutes on 2 quiet cores).
+[--set KEY=VALUE ...] [--place KIND=CPUS[:THREADS] ...]``. Cost on 2 quiet cores: a round of 400 steps (the
+default) ~3-3.5 minutes, so the default 3 rounds ~10 minutes; ``--quick`` (200 steps, 3 rounds) ~5-6 minutes.
 """
 from __future__ import annotations
 
@@ -44,10 +52,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.bench_staleness import moving_average  # noqa: E402
+from scripts.spread import describe, interleaved, spread  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "arith-tiny.yaml"
 WINDOW = 20  # steps in the moving average
 PROMPTS_PER_STEP, GROUP = 16, 16
+TRL, OURS = "TRL GRPOTrainer", "AstraFlow"
 
 
 def trl_worker(steps: int, seed: int, out: Path, t0: float) -> None:
@@ -171,11 +181,50 @@ def plot(runs: dict[str, list[list[dict]]], threshold: float, path: Path) -> Non
     plt.close(fig)
 
 
+def summarize(runs: dict[str, list[list[dict]]]) -> dict:
+    """The figures of paired runs (``runs[TRL][r]`` and ``runs[OURS][r]`` ran side by side in round ``r``).
+
+    Returns:
+        ``{"threshold", "equal_time_s", "systems": {name: {figure: spread}}, "wall_ratio": spread,
+        "time_to_threshold_ratio": spread, "reached": AstraFlow runs that reached the threshold, "rounds",
+        "verdict": str}``; every spread is :func:`scripts.spread.spread` of one figure per run (seconds for
+        times), a ratio is AstraFlow's over TRL's of the same round (below 1: AstraFlow took less time).
+    """
+    threshold = statistics.fmean(fifth_means(rows)[1] for rows in runs[TRL])
+    equal_t = statistics.fmean(rows[-1]["t"] for rows in runs[TRL])
+    systems, reach = {}, {}
+    for name, rs in runs.items():
+        reach[name] = [time_to(moving(rows), threshold) for rows in rs]
+        firsts, lasts = zip(*(fifth_means(rows) for rows in rs))
+        systems[name] = {"wall_s": spread([rows[-1]["t"] for rows in rs], 1),
+                         "steps_per_s": spread([len(rows) / rows[-1]["t"] for rows in rs], 2),
+                         "reward_first": spread(firsts), "reward_last": spread(lasts),
+                         "gain": spread([b - a for a, b in zip(firsts, lasts)]),
+                         "time_to_threshold_s": spread(reach[name], 1),
+                         "reward_at_equal_time": spread([at_time(moving(rows), equal_t) for rows in rs])}
+    wall = spread([o[-1]["t"] / t[-1]["t"] for t, o in zip(runs[TRL], runs[OURS])], 3)
+    ratio = spread([None if o is None or not t else o / t for t, o in zip(reach[TRL], reach[OURS])], 3)
+    rounds = len(runs[OURS])
+    reached = sum(r is not None for r in reach[OURS])
+
+    def versus(s: dict) -> str:
+        if s["median"] is None:
+            return "-"
+        kind = "faster" if s["max"] < 1 else "slower" if s["min"] > 1 else "parity"
+        return f"{s['min']:.2f}-{s['max']:.2f}x TRL's ({kind})"
+
+    verdict = (f"equal-step wall time {versus(wall)}; time to TRL's final reward: "
+               + (f"not met in {rounds - reached} of {rounds} runs" if reached < rounds else versus(ratio)))
+    return {"threshold": round(threshold, 4), "equal_time_s": round(equal_t, 1), "systems": systems,
+            "wall_ratio": wall, "time_to_threshold_ratio": ratio, "reached": reached, "rounds": rounds,
+            "verdict": verdict}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="200 steps, one repetition")
+    ap.add_argument("--quick", action="store_true", help="200 steps, 3 rounds")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 400; --quick 200)")
-    ap.add_argument("--repeats", type=int, default=None, help="repetitions (default 2; --quick 1)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds, each one run of both systems (default 3)")
     ap.add_argument("--cpus", default=None, help="CPU ids both systems get (default: all this process may use)")
     ap.add_argument("--png", type=Path, default=ROOT / "docs" / "vs_trl.png")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for our run")
@@ -189,55 +238,52 @@ def main() -> None:
     if args.trl_worker:
         trl_worker(steps, args.seed, args.trl_worker, float(os.environ["ASTRAFLOW_BENCH_T0"]))
         return
-    repeats = args.repeats or (1 if args.quick else 2)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     from astraflow.placement import placement_overrides
 
     ours_overrides = [*args.set, *placement_overrides(args.place)]
     placement = ", ".join(args.place) or "none (the OS schedules every process on the cpus, 1 thread each)"
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
-    runs: dict[str, list[list[dict]]] = {"TRL GRPOTrainer": [], "AstraFlow": []}
+    runs: dict[str, list[list[dict]]] = {TRL: [], OURS: []}
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
-        for r in range(repeats):
-            for name, fn in (("TRL GRPOTrainer", lambda: run_trl(steps, r, cpus, Path(tmp))),
-                             ("AstraFlow", lambda: run_ours(steps, r, cpus, ours_overrides, Path(tmp)))):
-                rows = fn()
-                runs[name].append(rows)
-                first, last = fifth_means(rows)
-                print(f"{name} repeat {r}: {len(rows)} steps in {rows[-1]['t']:.1f} s, reward {first:.3f} -> "
-                      f"{last:.3f} ({last - first:+.3f})", flush=True)
-    threshold = statistics.fmean(fifth_means(rows)[1] for rows in runs["TRL GRPOTrainer"])
-    equal_t = statistics.fmean(rows[-1]["t"] for rows in runs["TRL GRPOTrainer"])
-    print(f"\narith-tiny, {steps} steps, {repeats} repetition(s), cpus {cpus}, our placement: {placement}; "
-          f"threshold {threshold:.3f} "
-          f"(TRL's last-20% reward), equal time {equal_t:.1f} s (TRL's whole run)")
-    print("| system | wall time (s) | steps/s | reward first 20% -> last 20% | time to threshold (s) "
-          f"| reward at {equal_t:.0f} s |")
+        for r, name in interleaved((TRL, OURS), args.repeats):
+            rows = (run_trl(steps, r, cpus, Path(tmp)) if name == TRL
+                    else run_ours(steps, r, cpus, ours_overrides, Path(tmp)))
+            runs[name].append(rows)
+            first, last = fifth_means(rows)
+            print(f"round {r}: {name}: {len(rows)} steps in {rows[-1]['t']:.1f} s, reward {first:.3f} -> "
+                  f"{last:.3f} ({last - first:+.3f})", flush=True)
+    res = summarize(runs)
+    print(f"\narith-tiny, {steps} steps, {args.repeats} interleaved round(s), cpus {cpus}, our placement: "
+          f"{placement}; threshold {res['threshold']:.3f} (TRL's last-20% reward, mean over its runs), equal time "
+          f"{res['equal_time_s']:.1f} s (TRL's whole run, mean)")
+    print("each cell: median [min, max] over the runs")
+    print("| system | wall time (s) | steps/s | reward gain (first 20% -> last 20%) | time to threshold (s) "
+          f"| reward at {res['equal_time_s']:.0f} s |")
     print("|---|---|---|---|---|---|")
-    summary = {}
-    for name, rs in runs.items():
-        walls = [rows[-1]["t"] for rows in rs]
-        firsts, lasts = zip(*(fifth_means(rows) for rows in rs))
-        reach = [time_to(moving(rows), threshold) for rows in rs]
-        at = [at_time(moving(rows), equal_t) for rows in rs]
-        rate = statistics.fmean(len(rows) / rows[-1]["t"] for rows in rs)
-        reach_mean = None if None in reach else statistics.fmean(reach)
-        at_mean = None if None in at else statistics.fmean(at)
-        summary[name] = {"wall_s": round(statistics.fmean(walls), 1), "time_to_threshold_s": reach_mean,
-                         "reward_at_equal_time": at_mean, "reward_first": round(statistics.fmean(firsts), 4),
-                         "reward_last": round(statistics.fmean(lasts), 4), "steps_per_s": round(rate, 2)}
-        print(f"| {name} | {statistics.fmean(walls):.1f} | {rate:.2f} | {statistics.fmean(firsts):.3f} -> "
-              f"{statistics.fmean(lasts):.3f} | "
-              + ("never" if reach_mean is None else f"{reach_mean:.1f}") + " | "
-              + ("-" if at_mean is None else f"{at_mean:.3f}") + " |")
+
+    def cell(s: dict, fmt: str) -> str:
+        if s["median"] is None:
+            return "never" if s["runs"] else "-"
+        gap = f"; {len(s['runs']) - s['n']} never" if s["n"] < len(s["runs"]) else ""
+        return f"{s['median']:{fmt}} [{s['min']:{fmt}}, {s['max']:{fmt}}{gap}]"
+
+    for name, s in res["systems"].items():
+        print(f"| {name} | {cell(s['wall_s'], '.1f')} | {cell(s['steps_per_s'], '.2f')} | {cell(s['gain'], '+.3f')} "
+              f"| {cell(s['time_to_threshold_s'], '.1f')} | {cell(s['reward_at_equal_time'], '.3f')} |")
+    print(f"AstraFlow / TRL, round by round: wall time {describe(res['wall_ratio'], '.2f')}; time to threshold "
+          f"{describe(res['time_to_threshold_ratio'], '.2f')}")
+    print(res["verdict"])
     args.png.parent.mkdir(parents=True, exist_ok=True)
-    plot(runs, threshold, args.png)
+    plot(runs, res["threshold"], args.png)
     print(f"reward curves: {args.png}")
-    ours, base = summary["AstraFlow"]["time_to_threshold_s"], summary["TRL GRPOTrainer"]["time_to_threshold_s"]
-    print(json.dumps({"metric": "time_to_reward_vs_trl", "ours": ours, "baseline": base,
-                      "ratio": None if ours is None or not base else round(ours / base, 3),
-                      "threshold": round(threshold, 4), "steps": steps, "repeats": repeats, "cpus": cpus,
-                      "placement": args.place,
-                      "systems": summary}))
+    ours, base = res["systems"][OURS]["time_to_threshold_s"], res["systems"][TRL]["time_to_threshold_s"]
+    every = res["reached"] == res["rounds"]
+    print(json.dumps({"metric": "time_to_reward_vs_trl", "ours": ours["median"] if every else None,
+                      "baseline": base["median"],
+                      "ratio": res["time_to_threshold_ratio"]["median"] if every else None,
+                      "steps": steps, "repeats": args.repeats, "cpus": cpus, "placement": args.place, **res}))
 
 
 if __name__ == "__main__":
