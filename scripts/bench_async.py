@@ -26,8 +26,10 @@ Only the steady state is timed, in both arms: wall-clock seconds from the end
 of trainer step ``--warmup`` to the end of step ``--steps`` (process start-up,
 imports and model loading are excluded). For the pipeline the step ends are
 the ``ts`` of the trainer's per-step Metric records in ``<run_dir>/metrics.jsonl``.
-Rounds alternate sync, pipeline, sync, ... so that load from other processes on
-the machine hits both arms alike; the median of each arm is reported.
+Rounds interleave the arms (sync 1 thread, sync 2 threads, pipeline; then the
+reverse; ...) so that load from other processes on the machine hits every arm
+alike; each run is printed, and each arm's median, with the ratio of every
+round (the best sync arm's time over the pipeline's) and its spread (min, max).
 
 The sync arm runs with 1 and with 2 torch threads (``--sync-threads 1,2``) and
 the faster is the baseline: on the tiny model a second intra-op thread gains
@@ -42,8 +44,11 @@ sync child times both phases, and the benchmark prints that bound
 (``overlap_bound`` in the JSON line) next to the ratio, and the efficiency (ratio / bound).
 
 Ends with one JSON line ``{"metric": "async_speedup", "value": pipeline_s,
-"baseline": sync_s, "ratio": sync_s / pipeline_s, "overlap_bound": ..., ...}``
-(seconds for the timed steps; ratio > 1: the pipeline is faster).
+"baseline": sync_s, "ratio": sync_s / pipeline_s, "ratio_spread": {"runs",
+"median", "min", "max"}, "sync_s_by_threads": ..., "pipeline_s_runs": ...,
+"overlap_bound": ..., ...}`` (seconds for the timed steps, medians over the
+rounds; ratio > 1: the pipeline is faster). A round (three runs) takes ~1.5
+minutes on 2 cores: the default 3 rounds ~5 minutes, ``--quick`` one round.
 
 Usage: ``scripts/bench_async.py [--quick] [--rounds N] [--steps N] [--warmup K]
 [--prompts P] [--group G] [--max-new-tokens T] [--max-staleness S] [--cores C]``.
@@ -65,6 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from astraflow.placement import placement_overrides  # noqa: E402  (after sys.path gets the repository)
+from scripts.spread import describe, interleaved, spread  # noqa: E402
 
 CONFIG = ROOT / "examples" / "arith-tiny.yaml"
 
@@ -213,20 +219,23 @@ def main() -> None:
     sync: dict[int, list[float]] = {t: [] for t in threads}
     sync_phases: dict[int, list[tuple[float, float]]] = {t: [] for t in threads}
     pipe: list[dict] = []
-    for r in range(rounds):
-        for t in threads:
-            out = run_sync(args, t)
-            sync[t].append(out["timed_s"])
-            sync_phases[t].append((out["rollout_s"], out["train_s"]))
-            print(f"round {r + 1}: sync ({t} thread{'s' * (t > 1)}) {sync[t][-1]:.2f} s", flush=True)
-        pipe.append(run_pipeline(args))
-        print(f"round {r + 1}: pipeline {pipe[-1]['timed_s']:.2f} s "
-              f"(staleness mean {pipe[-1]['staleness_mean']:.2f})", flush=True)
+    for r, arm in interleaved([*threads, "pipeline"], rounds):
+        if arm == "pipeline":
+            pipe.append(run_pipeline(args))
+            print(f"round {r + 1}: pipeline {pipe[-1]['timed_s']:.2f} s "
+                  f"(staleness mean {pipe[-1]['staleness_mean']:.2f})", flush=True)
+            continue
+        out = run_sync(args, arm)
+        sync[arm].append(out["timed_s"])
+        sync_phases[arm].append((out["rollout_s"], out["train_s"]))
+        print(f"round {r + 1}: sync ({arm} thread{'s' * (arm > 1)}) {sync[arm][-1]:.2f} s", flush=True)
     sync_med = {t: statistics.median(v) for t, v in sync.items()}
     best = min(sync_med, key=sync_med.get)
     sync_s = sync_med[best]
     pipeline_s = statistics.median(p["timed_s"] for p in pipe)
-    print(f"sync {sync_s:.2f} s ({best} threads), pipeline {pipeline_s:.2f} s, for {timed} steps", flush=True)
+    ratio = spread([s / p["timed_s"] for s, p in zip(sync[best], pipe)], 3)
+    print(f"sync {sync_s:.2f} s ({best} threads), pipeline {pipeline_s:.2f} s, for {timed} steps; ratio "
+          f"(sync / pipeline, round by round) {describe(ratio, '.2f')}", flush=True)
     # A two-stage pipeline of 1-thread processes can at best hide the shorter stage: it takes at least
     # max(rollout, train) of the 1-thread sync arm, so it beats that arm by at most (rollout + train) /
     # max(rollout, train) and the best sync arm by at most sync_s / max(rollout, train) (smaller when 2 threads
@@ -241,7 +250,7 @@ def main() -> None:
               f"efficiency {sync_s / pipeline_s / bound_best:.2f} of that bound", flush=True)
     print(json.dumps({
         "metric": "async_speedup", "value": round(pipeline_s, 3), "baseline": round(sync_s, 3),
-        "ratio": round(sync_s / pipeline_s, 3), "unit": "s", "timed_steps": timed,
+        "ratio": round(sync_s / pipeline_s, 3), "ratio_spread": ratio, "unit": "s", "timed_steps": timed,
         "sync_threads": best, "sync_s_by_threads": {t: [round(x, 3) for x in v] for t, v in sync.items()},
         "pipeline_s_runs": [round(p["timed_s"], 3) for p in pipe],
         "pipeline_staleness_mean": round(statistics.mean(p["staleness_mean"] for p in pipe), 3),

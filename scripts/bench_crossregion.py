@@ -54,7 +54,10 @@ what it waited for; the namespace, veth, qdiscs, processes and the run's topics 
 error and on Ctrl-C (or SIGTERM).
 
 Ends with one JSON line ``{"metric": "crossregion", "delta_pull_s", "full_pull_s", "baseline" (=
-full_pull_s), "ratio" (full / delta), "trainer_blocked_s", "link": {...}, ...}``.
+full_pull_s), "ratio" (full / delta, medians), "ratio_range" ([slowest delta against fastest full, fastest
+delta against slowest full]), "full_pulls_s" and "delta_pulls_s" (every pull: {"runs", "median", "min",
+"max"}), "trainer_blocked_s", "link": {...}, ...}``. Full and delta pulls are different states of a worker
+(fresh, live), so they run in turn, not interleaved; every pull is printed as it ends.
 
 Usage: ``scripts/bench_crossregion.py [--quick] [--kafka-port 9092] [--rtt-ms 300] [--paper-gbit 4]
 [--ref-params 7e9] [--pace-s 5] [--full-pulls N] [--delta-pulls N] [--steps-without N]``. ``--quick``:
@@ -82,6 +85,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from scripts.spread import describe, spread  # noqa: E402
 
 PROXY = ROOT / "scripts" / "latency_proxy.py"
 CONFIG = ROOT / "examples" / "arith-tiny.yaml"
@@ -763,6 +768,8 @@ def main() -> None:
         trips = max(s - moving, 0.0) / rtt
         print(f"| {name} | {b:,.0f} | {s:.2f} s | {moving:.2f} s | {trips:.1f} | "
               f"{trips * rtt + transfer_s(b, paper_bit):.2f} s |")
+    fulls, deltas = spread(res["full_pulls"], 3), spread(res["delta_pulls"], 3)
+    print(f"full pulls: {describe(fulls, '.2f')} s; one-version delta pulls: {describe(deltas, '.2f')} s")
     for c in res["catch_up"]:
         print(f"(catch-up after the full pull: {c['versions']} versions in {c['s']:.2f} s)")
     w, r = res["without"], res["with_remote"]
@@ -785,7 +792,9 @@ def main() -> None:
                  "ref_model_bytes": ref_bytes, "model_bytes": model_bytes, "scale": round(scale),
                  "full_transfer_over_rtt": round(transfer_s(model_bytes, rate_bit) / rtt, 1)},
         "full_bytes": res["full_bytes"], "delta_bytes": res["delta_bytes"],
-        "full_pulls_s": res["full_pulls"], "join_s": round(res["join_s"], 3), "delta_pulls_s": res["delta_pulls"], "catch_up": res["catch_up"],
+        "full_pulls_s": fulls, "join_s": round(res["join_s"], 3), "delta_pulls_s": deltas, "catch_up": res["catch_up"],
+        "ratio_range": None if not deltas["min"] else [round(fulls["min"] / deltas["max"], 2),
+                                                        round(fulls["max"] / deltas["min"], 2)],
         "announce_to_loaded_s": round(res["announce_to_loaded_s"], 3),
         "announce_to_seen_s": round(res["announce_to_seen_s"], 3), "http_request_s": round(res["http_request_s"], 3),
         "versions_during_full_pulls": res["versions_during_full_pulls"],

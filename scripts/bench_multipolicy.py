@@ -37,10 +37,12 @@ Threads: the brief is "equal cores" (2). On a machine shared with other jobs,
 (OpenMP threads wait for each other), so the sequential loop is measured with
 1 and with 2 threads and the faster one is the baseline.
 
-Usage: ``scripts/bench_multipolicy.py [--quick] [--repeats R]``. Prints each
-measurement, min/median/max over repeats, and ends with one JSON line
+Usage: ``scripts/bench_multipolicy.py [--quick] [--repeats R]``. Repetitions alternate the loop and the
+pipeline (R = 3 by default: ~5-6 minutes on 2 cores, a repetition ~1.5-2). Prints each measurement,
+min/median/max over repeats and each repetition's ratio, and ends with one JSON line
 ``{"metric": "multipolicy_s_per_iter", "value": pipeline, "baseline": sequential, "ratio": baseline/value,
-"bound": ..., "efficiency": bound/value}`` (medians over repeats): the bound is the least s/iter of any
+"ratio_spread": {"runs", "median", "min", "max"}, "pipeline_s_per_iter": {...}, "sequential_s_per_iter":
+{...}, "bound": ..., "efficiency": bound/value}`` (medians over repeats): the bound is the least s/iter of any
 pipeline on 2 cores, ``max(stage sum / 2, largest stage)``, from the 1-thread loop's stage times
 (:func:`two_core_bound`; needs 1 in ``--threads``).
 """
@@ -62,6 +64,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from astraflow.placement import placement_overrides  # noqa: E402  (after sys.path gets the repository)
+from scripts.spread import describe, spread  # noqa: E402
+
 CONFIG = ROOT / "examples" / "solver-verifier-tiny.yaml"
 CHECKPOINT_EVERY = 4  # trainer steps
 DEFAULT_PLACE = ("raas=1", "trainer=0")  # rollout, the largest stage, gets a core; the two trainers share the other
@@ -177,7 +181,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="8 iterations of 8 prompts x G=8 (default 32 of 16 x 8: a window of 30 versions; one of 14 "
                          "varied by 25%% between runs)")
-    ap.add_argument("--repeats", type=int, default=1, help="measurements per mode (alternating)")
+    ap.add_argument("--repeats", type=int, default=3, help="measurements per mode (alternating; default 3)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="torch thread counts tried for the sequential loop; the fastest is the baseline")
     ap.add_argument("--raas-workers", type=int, default=1, help="RaaS worker processes of the pipeline")
@@ -217,8 +221,12 @@ def main() -> None:
     if bound is not None:
         print(f"2-core bound: {bound:.3f} s/iter (max(stage sum / 2, largest stage), stages of the 1-thread "
               f"loop); the pipeline's efficiency {bound / value:.2f} of it", flush=True)
+    ratio = spread([b / v for b, v in zip(seq, pipe)], 3)
+    print(f"ratio (sequential / pipeline), repetition by repetition: {describe(ratio, '.2f')}", flush=True)
     print(json.dumps({"metric": "multipolicy_s_per_iter", "value": round(value, 4), "baseline": round(baseline, 4),
-                      "ratio": round(baseline / value, 3), "placement": a.place,
+                      "ratio": round(baseline / value, 3), "ratio_spread": ratio, "pipeline_s_per_iter": spread(pipe),
+                      "sequential_s_per_iter": spread(seq),
+                      "bounds": spread(bounds), "repeats": a.repeats, "placement": a.place,
                       "bound": None if bound is None else round(bound, 4),
                       "efficiency": None if bound is None else round(bound / value, 3)}))
 

@@ -24,14 +24,17 @@ over the run): clipped or masked token fraction ``clipfrac``, importance ratio p
 go to ``--png``.
 
 The last line is one JSON object: ``{"metric": "stale_gain_ratio", "value": gain of the default correction
-at the largest staleness, "baseline": its gain at staleness 0, "ratio": value / baseline, "none_at_max":
-gain of ``none`` at the largest staleness, "cells": {...}}``, where the default correction is the one in
-``examples/arith-tiny.yaml``.
+at the largest staleness, "baseline": its gain at staleness 0, "ratio": value / baseline, "ratio_spread":
+that ratio in each repetition ({"runs", "median", "min", "max"}), "none_at_max": gain of ``none`` at the
+largest staleness, "cells": {cell: {"gain": mean, "gains": every repetition's, ...}}}``, where the default
+correction is the one in ``examples/arith-tiny.yaml``. A run's gain spreads by about +-0.05 between
+repetitions, so a ratio whose spread straddles 1 is parity.
 
 Usage: ``scripts/bench_staleness.py [--quick] [--repeats N] [--steps N] [--staleness 0,2,4,8]
 [--corrections none,tis,m2po] [--png PATH] [--set KEY=VALUE ...]``. ``--quick``: one repetition and
-staleness {0, 8} (6 runs, ~5-8 minutes on 2 quiet cores); the default is 2 repetitions of the whole grid
-(24 runs).
+staleness {0, 8} (6 runs, ~5-8 minutes on 2 quiet cores, 14 on a busy one); the default is 2 repetitions of the
+whole grid (24 runs, ~25 minutes; a third repetition would add ~12, so it is ``--repeats 3``, not the default).
+Each repetition runs every cell once, so the cells are interleaved against the machine's drift.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from astraflow.launcher import reward_summary  # noqa: E402
+from scripts.spread import describe, spread  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "arith-tiny.yaml"
 STABILITY = ("clipfrac", "is_ratio_mean", "is_ratio_max", "is_ratio_min", "behaviour_kl", "entropy", "reward_std",
@@ -163,8 +167,13 @@ def main() -> None:
     top = max(staleness)
     value = summary.get(f"{top}/{default}", {}).get("gain")
     baseline = summary.get(f"{min(staleness)}/{default}", {}).get("gain")
+    stale, fresh = (summary.get(f"{s}/{default}", {}).get("gains", []) for s in (top, min(staleness)))
+    ratio = spread([v / b if b else None for v, b in zip(stale, fresh)], 3)
+    print(f"{default} at staleness {top} over staleness {min(staleness)}, repetition by repetition: "
+          f"{describe(ratio, '.2f')}")
     print(json.dumps({"metric": "stale_gain_ratio", "value": value, "baseline": baseline,
                       "ratio": None if not baseline or value is None else round(value / baseline, 3),
+                      "ratio_spread": ratio,
                       "default_correction": default, "staleness": top,
                       "none_at_max": summary.get(f"{top}/none", {}).get("gain"), "steps": args.steps,
                       "repeats": repeats, "cells": summary}))

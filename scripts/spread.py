@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterator, Sequence
+from typing import TypeVar
+
+Arm = TypeVar("Arm")
 
 
 def spread(runs: Sequence[float | None], digits: int = 4) -> dict:
@@ -33,7 +36,7 @@ def describe(s: dict, fmt: str = ".3f") -> str:
             + (f" ({missing} without)" if missing else "") + f" ({runs})")
 
 
-def interleaved(arms: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
+def interleaved(arms: Sequence[Arm], rounds: int) -> Iterator[tuple[int, Arm]]:
     """(round, arm) in run order: every arm once per round, the order reversed on odd rounds (A B, B A, A B,
     ...), so that neither a slow drift nor running first or second favours an arm."""
     for r in range(rounds):
