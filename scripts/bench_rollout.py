@@ -14,11 +14,14 @@
 All sample at temperature 1 (no top-k, no top-p) from arithmetic prompts (``a+b=``) and ignore EOS, so every
 row generates exactly ``max_new_tokens`` tokens and all four count the same tokens. For each ``max_new_tokens``
 (4, as ``examples/arith-tiny.yaml``, and 32; ``--quick`` too; the full run adds 128), each way is warmed up once,
-then the ways alternate for the rounds and each keeps its best time, which damps noise from other load.
+then the ways run in interleaved rounds (a b c, c b a, ...: 3 rounds with ``--quick``, 5 by default); each way's
+figure is its best round, which damps noise from other load, and every round's figure and their spread are
+reported with it, as is the ratio (c)/(a) of every round.
 
 Prints tokens per second (generated tokens only) and seconds per batch of each way, then one JSON line:
-``{"metric": "rollout_tokens_per_s", "value": (c), "baseline": (a), "ratio": (c)/(a), ...}`` at the largest
-``max_new_tokens``, with ``batching_speedup`` ((c)/(b)), (b) and (d), and every setting's figures under ``runs``.
+``{"metric": "rollout_tokens_per_s", "value": (c), "baseline": (a), "ratio": (c)/(a), "ratio_spread": {"runs",
+"median", "min", "max"}, ...}`` at the largest ``max_new_tokens``, with ``batching_speedup`` ((c)/(b)), (b) and
+(d), and every setting's figures (each way's ``tokens_per_s_spread``) under ``runs``.
 
 Usage: ``scripts/bench_rollout.py [--quick] [--no-vllm] [--model DIR] [--threads N]``.
 """
@@ -43,37 +46,41 @@ from astraflow.models import tiny_model_dir  # noqa: E402
 from producers.engines import SamplingParams  # noqa: E402
 from producers.hf_engine import HFEngine  # noqa: E402
 from producers.workflows import prompt_ids  # noqa: E402
+from scripts.spread import describe, interleaved, spread  # noqa: E402
 
 N_PROMPTS, G = 16, 16
 NAMES = {"hf_generate": "(a) model.generate", "per_prompt": "(b) HFEngine, a call per prompt",
          "batched": "(c) HFEngine, one call", "vllm": "(d) vLLM, one request"}
 
 
-def best_times(ways: dict[str, Callable[[], int]], rounds: int) -> tuple[dict[str, float], dict[str, int]]:
-    """Each way's best wall time over ``rounds`` alternating rounds (after one warm-up each), and its token count.
+def timed_rounds(ways: dict[str, Callable[[], int]], rounds: int) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Each way's wall time (s) in each of ``rounds`` interleaved rounds (after one warm-up each), and its token
+    count.
 
     Raises:
         RuntimeError: the ways generated different numbers of tokens.
     """
     for fn in ways.values():
         fn()  # warm-up
-    best, counts = {name: float("inf") for name in ways}, {}
-    for _ in range(rounds):
-        for name, fn in ways.items():
-            start = time.perf_counter()
-            counts[name] = fn()
-            best[name] = min(best[name], time.perf_counter() - start)
+    times, counts = {name: [] for name in ways}, {}
+    for _, name in interleaved(list(ways), rounds):
+        start = time.perf_counter()
+        counts[name] = ways[name]()
+        times[name].append(time.perf_counter() - start)
     if len(set(counts.values())) != 1:
         raise RuntimeError(f"token counts differ: {counts}")
-    return best, counts
+    return times, counts
 
 
-def report(best: dict[str, float], counts: dict[str, int], into: dict[str, dict]) -> None:
-    """Print each way's figures and add them to ``into`` (name -> {tokens_per_s, s_per_batch})."""
-    for name, seconds in best.items():
-        tps = counts[name] / seconds
-        into[name] = {"tokens_per_s": round(tps, 1), "s_per_batch": round(seconds, 4)}
-        print(f"  {NAMES[name]:34s} {tps:10.1f} tokens/s  {seconds:8.3f} s per batch", flush=True)
+def report(times: dict[str, list[float]], counts: dict[str, int], into: dict[str, dict]) -> None:
+    """Print each way's figures and add them to ``into`` (name -> {tokens_per_s (best round), s_per_batch (best),
+    tokens_per_s_spread: every round's tokens/s, median, min, max})."""
+    for name, seconds in times.items():
+        rates = spread([counts[name] / t for t in seconds], 1)
+        into[name] = {"tokens_per_s": rates["max"], "s_per_batch": round(min(seconds), 4),
+                      "tokens_per_s_spread": rates}
+        print(f"  {NAMES[name]:34s} {rates['max']:10.1f} tokens/s (best)  {min(seconds):8.3f} s per batch; "
+              f"tokens/s {describe(rates, '.0f')}", flush=True)
 
 
 def main() -> None:
@@ -125,9 +132,9 @@ def main() -> None:
 
         print(f"max_new_tokens {new_tokens}:", flush=True)
         runs[new_tokens] = {}
-        best, counts = best_times({"hf_generate": hf_generate, "per_prompt": per_prompt, "batched": batched},
+        times, counts = timed_rounds({"hf_generate": hf_generate, "per_prompt": per_prompt, "batched": batched},
                                   rounds)
-        report(best, counts, runs[new_tokens])
+        report(times, counts, runs[new_tokens])
 
     vllm: dict[str, float | str | None] = {"start_s": None, "skipped": None}
     python = ROOT / ".venv-vllm" / "bin" / "python"
@@ -154,11 +161,11 @@ def main() -> None:
                         sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=1.0,
                                                   stop_token_ids=())
                         ways = {"vllm": lambda s=sampling: sum(len(g.output_ids) for g in client.generate(rows, s))}
-                        best, counts = best_times(ways, rounds)
+                        times, counts = timed_rounds(ways, rounds)
                         if counts["vllm"] != len(rows) * new_tokens:
                             raise RuntimeError(f"vLLM generated {counts['vllm']} tokens, not {len(rows) * new_tokens}")
                         print(f"max_new_tokens {new_tokens}:", flush=True)
-                        report(best, counts, runs[new_tokens])
+                        report(times, counts, runs[new_tokens])
                 finally:
                     client.close()
         except (RuntimeError, OSError) as e:
@@ -167,12 +174,15 @@ def main() -> None:
         print(f"(d) vLLM skipped: {vllm['skipped']}", flush=True)
 
     last = runs[settings[-1]]
+    per_round = zip(last["batched"]["tokens_per_s_spread"]["runs"], last["hf_generate"]["tokens_per_s_spread"]["runs"])
+    ratio = spread([c / a for c, a in per_round], 3)
+    print(f"(c)/(a) at {settings[-1]} tokens, round by round: {describe(ratio, '.2f')}")
     print("batching speedup (c)/(b): " + ", ".join(
         f"{nt} tokens {r['batched']['tokens_per_s'] / r['per_prompt']['tokens_per_s']:.2f}x" for nt, r in runs.items()))
     print(json.dumps({
         "metric": "rollout_tokens_per_s", "value": last["batched"]["tokens_per_s"],
         "baseline": last["hf_generate"]["tokens_per_s"],
-        "ratio": round(last["batched"]["tokens_per_s"] / last["hf_generate"]["tokens_per_s"], 3),
+        "ratio": round(last["batched"]["tokens_per_s"] / last["hf_generate"]["tokens_per_s"], 3), "ratio_spread": ratio,
         "max_new_tokens": settings[-1], "prompts": N_PROMPTS, "samples": G,
         "per_prompt_tokens_per_s": last["per_prompt"]["tokens_per_s"],
         "batching_speedup": round(last["batched"]["tokens_per_s"] / last["per_prompt"]["tokens_per_s"], 3),
