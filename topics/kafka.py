@@ -7,7 +7,8 @@ through one line per condition (:class:`_Reporter`).
 Records carry already-compressed values (zstd, see :mod:`topics.codec`), so the
 producer does not compress again. Producers are idempotent with ``acks=all``.
 Consumers never auto-commit: offsets are committed explicitly, after the work
-is durable.
+is durable. A static group member that the coordinator fences (as happens after a
+broker restart) is re-created in place, not given up (:meth:`KafkaConsumer._renew`).
 """
 from __future__ import annotations
 
@@ -288,6 +289,10 @@ class KafkaProducer(Producer):
 COMMIT_TIMEOUT_S = 60.0
 
 
+class _Fenced(Exception):
+    """A group member's commit was fenced, or never returned: its librdkafka consumer must be re-created."""
+
+
 class KafkaConsumer(Consumer):
     """A confluent-kafka consumer: manual commits, pending seeks applied on assignment. ``security``:
     librdkafka security properties (:meth:`topics.kafka_security.KafkaSecurity.librdkafka`)."""
@@ -298,7 +303,8 @@ class KafkaConsumer(Consumer):
         self.group = group
         session_ms = int(session_timeout_s * 1000)
         static = {"group.instance.id": instance_id} if instance_id and group else {}
-        self._c = _Consumer({**static, **_Reporter(f"consumer {client_id or group or ''}".strip()).conf(), **security,
+        self.name = client_id or group or ""
+        self._conf = {**static, **_Reporter(f"consumer {self.name}".strip()).conf(), **security,
             "bootstrap.servers": bootstrap,
             "group.id": group or f"astraflow-free-{uuid.uuid4().hex}",
             "client.id": client_id or f"astraflow-{uuid.uuid4().hex[:8]}",
@@ -311,18 +317,59 @@ class KafkaConsumer(Consumer):
             "max.poll.interval.ms": max(session_ms, 300_000),
             "topic.metadata.refresh.interval.ms": 2000,
             "fetch.wait.max.ms": 50,
-        })
+        }
+        self._c = _Consumer(self._conf)
         self._assigned: set[TopicPartition] = set()
         self._paused: set[TopicPartition] = set()
         self._pending: dict[TopicPartition, int] = {}  # partition -> offset to seek to
         self._on_assign_seek: tuple[str, int] | None = None  # ("beginning"|"ts", ms) for future partitions
-        self._subscribed = False
+        self._subscribed: list[str] = []  # the topics subscribed to
+        self._early: list[Record] = []  # read while a renewed consumer joined its group (_renew): the next poll's
+        #: times this consumer was fenced and re-created in place (:meth:`_renew`)
+        self.renewals = 0
 
     # membership
     def subscribe(self, topics: list[str]) -> None:
-        self._subscribed = True
+        self._subscribed = list(topics)
         self._c.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
                           on_lost=self._on_revoke)
+
+    def _fenced(self, err: KafkaError) -> bool:
+        """Whether ``err`` says this group member was fenced (a fatal consumer error: librdkafka's only one is
+        FENCED_INSTANCE_ID, a static member whose ``group.instance.id`` the coordinator mapped to a newer member
+        id), and the member can be re-created in place (:meth:`_renew`): it subscribed."""
+        return bool(self._subscribed) and (err.fatal() or err.code() in (KafkaError._FATAL,
+                                                                         KafkaError.FENCED_INSTANCE_ID))
+
+    def _renew(self, why: str) -> None:
+        """Re-create the fenced librdkafka consumer in place: same config (the same ``group.instance.id``, so the
+        coordinator hands it the old member's place), same subscription; its partitions restart from the group's
+        committed offsets, so what was read and not committed is read again (consumers de-duplicate by id).
+
+        A static member is fenced by the coordinator when it asks with a member id the coordinator no longer
+        maps to its ``group.instance.id``. Seen after a broker restart (the data directory, and with it the
+        group's static member, survives it): a member whose session expired while the broker came back rejoins
+        and gets a new member id, while a commit made before the rejoin is served still carries the old one
+        (``OffsetCommit failed: Broker: Static consumer fenced by other consumer with same group.instance.id``).
+        librdkafka makes that error fatal for the whole consumer; no other member has this id, so re-joining is
+        safe."""
+        self.renewals += 1
+        log.warning("kafka consumer %s: %s; re-creating it in place (group %s, the same group.instance.id); it "
+                    "resumes from the group's committed offsets", self.name, why, self.group)
+        try:
+            _bounded(f"close-{self.group}", self._c.close, 10.0)
+        except (_StillRunning, KafkaException, RuntimeError):
+            pass  # a fenced client may refuse to leave; the new member takes its place either way
+        self._on_revoke(None, [_tp(tp) for tp in self._assigned])
+        self._c = _Consumer(self._conf)
+        self.subscribe(self._subscribed)
+
+    def _join(self, timeout_s: float) -> None:
+        """Poll a renewed consumer until the group has assigned it partitions, or ``timeout_s`` has passed; the
+        records read meanwhile are kept for the next :meth:`poll`."""
+        deadline = time.monotonic() + timeout_s
+        while not self._assigned and time.monotonic() < deadline:
+            self._early += self._consume(500, 0.2)
 
     def _on_assign(self, consumer, partitions: list[_TP]) -> None:
         tps = [TopicPartition(p.topic, p.partition) for p in partitions]
@@ -368,6 +415,14 @@ class KafkaConsumer(Consumer):
 
     # reading
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Record]:
+        if self._early:
+            out, self._early = self._early[:max_records], self._early[max_records:]
+            return out
+        return self._consume(max_records, timeout_s)
+
+    def _consume(self, max_records: int, timeout_s: float) -> list[Record]:
+        """:meth:`poll` from librdkafka. A fenced member is re-created (:meth:`_renew`) and returns nothing: what it
+        had read and not committed comes again to the new member."""
         self._apply_pending()
         deadline = time.monotonic() + timeout_s
         out: list[Record] = []
@@ -380,6 +435,9 @@ class KafkaConsumer(Consumer):
             for m in msgs:
                 err = m.error()
                 if err is not None:
+                    if self._fenced(err):
+                        self._renew(f"fenced while reading ({err.str()})")
+                        return []
                     if err.fatal() or err.code() == KafkaError._FATAL:
                         raise FatalBusError(f"consume failed: {err}")
                     if err.code() not in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART,
@@ -406,23 +464,54 @@ class KafkaConsumer(Consumer):
                 pass  # not fetchable yet right after assignment; retried on the next poll
 
     def commit(self, offsets, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
+        """Commit ``offsets`` synchronously, within ``timeout_s`` seconds. A group member fenced at the commit, or
+        whose commit does not return (both seen after a broker restart), is re-created in place (:meth:`_renew`);
+        once the group has given it back partitions, the offsets of those partitions are committed by the new member
+        and it reads on from them.
+
+        Raises:
+            BusError: the commit was refused, or the re-created member was given no partition of ``offsets`` in
+                ``timeout_s``. FatalBusError: the consumer is unusable and is not a group member that can be
+                re-created.
+        """
         if not isinstance(offsets, Mapping):
             offsets = offsets_after(offsets)
         if not offsets:
             return
+        try:
+            self._commit(offsets, timeout_s)
+            return
+        except _Fenced as fenced:
+            self._renew(str(fenced))
+        self._join(timeout_s)
+        owned = {tp: off for tp, off in offsets.items() if tp in self._assigned}
+        if not owned:
+            raise BusError(f"commit not made: the re-created member of group {self.group} owns none of "
+                           f"{sorted(offsets)} after {timeout_s:.0f} s")
+        try:
+            self._commit(owned, timeout_s)
+        except _Fenced as fenced:
+            raise FatalBusError(f"{fenced}, again right after it was re-created") from None
+        for tp, off in owned.items():  # done up to there: read on from there, not from the old commit
+            self._pending[tp] = off
+        self._early = [r for r in self._early if r.tp not in owned]  # fetched again from there
+        self._apply_pending()
+
+    def _commit(self, offsets: Mapping[TopicPartition, int], timeout_s: float) -> None:
         # librdkafka's synchronous commit has no timeout, and one made as the broker stops can wait forever,
-        # even after the broker is back (seen: a trainer blocked in rd_kafka_commit_queue for minutes). Past the
-        # bound the consumer is given up (FatalBusError: a restart makes a new one).
+        # even after the broker is back (seen: a trainer blocked in rd_kafka_commit_queue for minutes).
         try:
             result = _bounded(f"commit-{self.group}", lambda: self._c.commit(
                 offsets=[_tp(tp, off) for tp, off in offsets.items()], asynchronous=False), timeout_s)
         except _StillRunning:
+            if self._subscribed:
+                raise _Fenced(f"a commit did not complete in {timeout_s:.0f} s") from None
             raise FatalBusError(f"commit for group {self.group} did not complete in {timeout_s:.0f} s; this consumer "
                                 "is given up") from None
         except KafkaException as e:
             err = e.args[0]
-            # _FATAL: the consumer is unusable, e.g. a static member fenced by its own rejoin after a
-            # coordinator failover (FENCED_INSTANCE_ID); only a new consumer (a restart) helps.
+            if self._fenced(err):
+                raise _Fenced(f"fenced at a commit ({err.str()})") from None
             kind = FatalBusError if err.fatal() or err.code() == KafkaError._FATAL else BusError
             raise kind(f"commit refused for group {self.group}: {e}") from None
         _check_result("commit", result or [])

@@ -1,0 +1,68 @@
+"""A static group member that the coordinator fences (another consumer joined with its ``group.instance.id``, as
+librdkafka's own rejoin does after a broker restart) is re-created in place, on a real broker: at a commit and at
+a read. It takes its place back, commits, and reads on from the group's committed offsets; nothing is lost."""
+import time
+import uuid
+
+from topics.bus import TopicPartition, connect, offsets_after
+
+SESSION_S = 6.0
+
+
+def drain(consumer, want: int, timeout_s: float = 30.0) -> list:
+    """Poll until ``want`` records arrived (or the time is up)."""
+    out, deadline = [], time.monotonic() + timeout_s
+    while len(out) < want and time.monotonic() < deadline:
+        out += consumer.poll(100, 0.2)
+    return out
+
+
+def fence(bus, group: str, topic: str, instance: str) -> None:
+    """Join ``group`` as ``instance`` (the coordinator hands it the old member's place), then close."""
+    usurper = bus.consumer(group, instance_id=instance, session_timeout_s=SESSION_S)
+    usurper.subscribe([topic])
+    deadline = time.monotonic() + 30
+    while not usurper.assignment():
+        assert time.monotonic() < deadline, "the second member was not assigned"
+        usurper.poll(100, 0.2)
+    usurper.close()
+
+
+def send(bus, topic: str, tag: str, n: int = 10) -> list[bytes]:
+    producer = bus.producer()
+    values = [f"{tag}-{i}".encode() for i in range(n)]
+    for i, v in enumerate(values):
+        producer.send(topic, v, partition=i % 2)
+    producer.flush()
+    return values
+
+
+def test_a_fenced_static_member_is_re_created_in_place_and_reads_on_from_its_commits(kafka_url):
+    bus = connect(kafka_url)
+    topic, group = f"fence-{uuid.uuid4().hex[:10]}", f"g-{uuid.uuid4().hex[:10]}"
+    bus.admin().create_topic(topic, partitions=2)
+    first = send(bus, topic, "a")
+    member = bus.consumer(group, instance_id="member-0", session_timeout_s=SESSION_S)
+    member.subscribe([topic])
+    read = drain(member, 10)
+    assert sorted(r.value for r in read) == sorted(first)
+
+    # fenced at a commit: re-created, it commits as the new member and reads on from there
+    fence(bus, group, topic, "member-0")
+    member.commit(read)
+    assert member.renewals == 1
+    assert member.committed(sorted(offsets_after(read))) == offsets_after(read)
+    second = send(bus, topic, "b")
+    assert sorted(r.value for r in drain(member, 10)) == sorted(second)
+
+    # fenced between reads (its heartbeat is refused): re-created, it reads again from the committed offsets what
+    # it read and did not commit (some of the newest may come before it notices, and again after), and nothing else
+    fence(bus, group, topic, "member-0")
+    third = send(bus, topic, "c")
+    again, deadline = [], time.monotonic() + 30
+    while not {r.value for r in again} >= set(second + third) and time.monotonic() < deadline:
+        again += member.poll(100, 0.2)
+    assert member.renewals == 2
+    assert {r.value for r in again} == set(second + third), sorted(r.value for r in again)
+    assert set(member.assignment()) == {TopicPartition(topic, 0), TopicPartition(topic, 1)}
+    member.close()
