@@ -64,6 +64,7 @@ VIEW_JOIN_S = 150.0       # > one live-view round with the bus down: lags (10 s 
 FILTER_WEDGE_MARGIN_S = 40.0
 FILTER_CHECK_S = 10.0     # seconds between two looks at the filter processors' committed offsets
 SEARCH_STARTUP_S = 120.0  # seconds the search server may take to answer /health (it indexes its corpus first)
+PROGRESS_READ_S = 10.0    # seconds the starvation check may take to read the trainers' progress to the end of control
 
 
 @dataclass
@@ -248,10 +249,11 @@ def _tail(path: Path, n: int = 15) -> str:
 
 
 def reward_summary(history: list[tuple[int, float]]) -> tuple[float | None, float | None]:
-    """Mean training reward over the first and the last 20% of steps (at least one step each)."""
+    """Mean training reward over the first and the last 20% of ``history``'s (step, reward) steps (at least one step
+    each); a step that appears more than once counts once, with its newest reward."""
     if not history:
         return None, None
-    rewards = [r for _, r in sorted(history)]
+    rewards = [r for _, r in sorted(dict(history).items())]  # one per step: the newest, if a step was redone
     k = max(1, len(rewards) // 5)
     return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
 
@@ -674,8 +676,9 @@ class Launcher:
         """Whether trainer ``policy`` can get no more data: acquisition has finished, every prompt has been rolled
         out and filtered (committed lags 0), the trainer holds less than a batch (its :class:`TrainerProgress`
         against the end offsets of ``samples.<policy>``, less one transaction marker per partition), and it has
-        been stalled for over 3 of its newest step times (a step can outlast ``watchdog_s``). Unknowns (a bus
-        that does not answer, no progress yet) are not starvation."""
+        been stalled for over 3 of its newest step times (a step can outlast ``watchdog_s``). The trainer's progress
+        is read to the end of ``control`` at each look, so a starved trainer is told at the first look after the
+        stall. Unknowns (a bus that does not answer, no progress yet) are not starvation."""
         acquire = next((c for c in self.components if c.kind == "acquire"), None)
         if acquire is None or acquire.proc is None or acquire.proc.poll() != 0 or stalled_s < 3 * (step_s or 0.0):
             return False
@@ -686,7 +689,8 @@ class Launcher:
             self._progress = LatestByKey(monitor.bus, self.names.control, TrainerProgress,
                                          client_id=f"{self.cfg.run}.launcher-progress")
         try:
-            progress = self._progress.poll(0.0).get(f"trainer.{policy}")
+            # to the end of control, not what one poll returned: a new reader's first polls return nothing
+            progress = self._progress.read_to_end(timeout_s=PROGRESS_READ_S).get(f"trainer.{policy}")
             ends = monitor.admin.end_offsets(self.names.samples(policy))
         except BusError:
             return False

@@ -72,9 +72,12 @@ class RunMonitor:
 
     def poll(self, timeout_s: float = 0.2) -> list[Metric]:
         """Read new metrics and dead letters and update the views; returns the metrics (invalid records are
-        counted, not raised)."""
+        counted, not raised). Each record counts once: one read again (its offset is below :attr:`read_to`) is
+        skipped."""
         out = []
-        records = self.consumer.poll(1000, timeout_s)
+        # A member that rejoins its group (after a broker restart, say) reads on from the group's committed offsets,
+        # before what it already read: the records below read_to are not counted twice.
+        records = [r for r in self.consumer.poll(1000, timeout_s) if r.offset >= self.read_to.get(r.tp, 0)]
         self.read_to.update(offsets_after(records))
         for r in records:
             if r.topic == self.names.deadletter:
