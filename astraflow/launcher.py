@@ -12,14 +12,17 @@ The run ends when every trainer has produced its ``steps`` versions (or after
 they handle by finishing their current unit of work and committing, so nothing
 is lost.
 
-Supervision: a component that dies (non-zero exit) is reported with the tail of
-its log and restarted after a back-off (1 s, doubling, at most 30 s), up to
-``MAX_RESTARTS`` times in a row (a component that ran ``HEALTHY_S`` seconds
-before dying starts a new row): RaaS workers, filter processors and acquisition
-are stateless group members, and a trainer resumes from its checkpoint. So a
-broker or store outage is ridden out by restarts. A component past its restart
-budget fails the run. The live view survives an unreachable bus (one line per
-condition). The summary's ``complete`` says whether
+Supervision, like Kubernetes' CrashLoopBackOff: a component that stops while the
+run goes on (killed, or a non-zero exit) is reported with the tail of its log and
+restarted after a back-off (1 s, doubling, at most 30 s; back to 1 s once a
+process of it ran ``HEALTHY_S`` seconds): RaaS workers, filter processors and
+acquisition are stateless group members, and a trainer resumes from its checkpoint.
+A component that once got going (a process of it ran ``STARTED_S`` seconds) is
+restarted for as long as the run goes, however often it is killed; so is one
+killed from outside by a signal. A component that exits on its own
+``MAX_START_FAILURES`` times before it ever got going (bad config, a port in use)
+cannot start: the run fails, naming it. The live view survives an unreachable bus
+(one line per condition). The summary's ``complete`` says whether
 every trainer reached its steps; ``astraflow run`` exits non-zero when not.
 
 Outputs in the run directory: ``metrics.jsonl`` (every Metric record),
@@ -53,9 +56,12 @@ from topics.schemas import Control, TrainerProgress
 
 console = Console(stderr=True)
 
-MAX_RESTARTS = 5          # restarts in a row per component before the run fails
-RESTART_BACKOFF_S = (1.0, 30.0)  # first back-off, doubling up to the second
-HEALTHY_S = 60.0          # a component that ran this long before dying starts a new row of restarts
+RESTART_BACKOFF_S = (1.0, 30.0)  # first back-off before a restart, doubling up to the second
+HEALTHY_S = 60.0          # a process that ran this long before it stopped puts its component's back-off back to 1 s
+STARTED_S = 30.0          # a component got going once one of its processes ran this long; it is restarted ever after
+MAX_START_FAILURES = 5    # exits of its own before a component ever got going, after which the run fails, naming it
+#: signals that stop a process from outside (an operator, a fault tool, the OOM killer): not a failure to start
+EXTERNAL_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 VIEW_JOIN_S = 150.0       # > one live-view round with the bus down: lags (10 s metadata + 30 s offsets), members (30 s), watchdog lags (40 s)
 #: seconds past its batch deadline (``policies.<p>.filter_processor.step_deadline_s``, which covers a wedge inside a
 #: batch) that a filter processor may leave records of ``trajectories.<p>`` waiting at unmoved committed offsets
@@ -77,7 +83,9 @@ class Component:
     proc: subprocess.Popen | None = None
     reported: bool = field(default=False)
     restarts: int = 0        # in all
-    in_a_row: int = 0        # since it last ran HEALTHY_S seconds
+    backoff_step: int = 0    # restarts since a process of it last ran HEALTHY_S seconds: its next delay doubles with it
+    got_going: bool = False  # a process of it ran STARTED_S seconds
+    start_failures: int = 0  # exits of its own (not a signal from outside) before it got going
     started_at: float = 0.0  # monotonic
     restart_at: float | None = None  # monotonic time of a scheduled restart
     retired: bool = False  # stopped on purpose (scaled down): not restarted, not a failure
@@ -425,14 +433,15 @@ class Launcher:
                 _kill_group(c.proc)
 
     def _supervise(self) -> list[Component]:
-        """Report components that died, restart them after their back-off; returns those past their budget."""
+        """Report components that stopped while the run goes on and restart them after their back-off (module
+        docstring); returns those that cannot be restarted: stopped on bad input, or unable to start."""
         failed = []
         now = time.monotonic()
         for c in self.components:
             if c.restart_at is not None and now >= c.restart_at:
                 c.restart_at, c.reported = None, False
                 self._start(c)
-                console.print(f"[yellow]restarted {c.name}[/] (restart {c.in_a_row} of {MAX_RESTARTS} in a row)")
+                console.print(f"[yellow]restarted {c.name}[/] (restart {c.restarts})")
                 continue
             code = c.proc.poll() if c.proc else None
             if code is None or c.reported:
@@ -444,25 +453,45 @@ class Launcher:
                 continue
             # The others run until the launcher stops them: exit 0 means a SIGTERM from elsewhere, and the run
             # would wait on them forever.
-            console.print(f"[bold red]component {c.name} "
-                          + ("stopped (exit code 0) while the run goes on" if code == 0 else f"died with exit code {code}")
-                          + f"[/]; last lines of {c.log}:\n{_tail(c.log)}")
+            ran_s = now - c.started_at
+            how = ("stopped (exit code 0) while the run goes on" if code == 0 else
+                   f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
+                   else f"died with exit code {code}")
+            console.print(f"[bold red]component {c.name} {how}[/] after {ran_s:.1f} s; last lines of {c.log}:\n"
+                          f"{_tail(c.log)}")
             if code == EXIT_BAD_INPUT:
                 console.print(f"[bold red]{c.name} stopped on bad input; a restart would stop there again[/]")
                 failed.append(c)
                 continue
-            if now - c.started_at >= HEALTHY_S:
-                c.in_a_row = 0
-            if c.in_a_row >= MAX_RESTARTS:
-                console.print(f"[bold red]{c.name} used its {MAX_RESTARTS} restarts in a row[/]")
+            delay = self._restart_delay(c, code, ran_s)
+            if delay is None:
+                console.print(f"[bold red]{c.name} cannot start: it exited on its own {c.start_failures} times "
+                              f"before any process of it ran {STARTED_S:.0f} s (exit code {code}; see {c.log})[/]")
                 failed.append(c)
                 continue
-            delay = min(RESTART_BACKOFF_S[0] * 2 ** c.in_a_row, RESTART_BACKOFF_S[1])
             c.restarts += 1
-            c.in_a_row += 1
             c.restart_at = now + delay
             console.print(f"[yellow]restarting {c.name} in {delay:.0f} s[/]")
         return failed
+
+    @staticmethod
+    def _restart_delay(c: Component, code: int, ran_s: float) -> float | None:
+        """The back-off before restarting ``c``, whose process stopped with status ``code`` (negative: killed by
+        that signal; 0: stopped by a SIGTERM from outside) after ``ran_s`` seconds: ``RESTART_BACKOFF_S[0]``
+        doubling with each restart up to ``RESTART_BACKOFF_S[1]``, from the first again after a process that ran
+        ``HEALTHY_S`` s. None when ``c`` cannot start: it exited on its own ``MAX_START_FAILURES`` times and no
+        process of it ever ran ``STARTED_S`` s. Updates ``c``'s back-off and start-failure counts."""
+        c.got_going |= ran_s >= STARTED_S
+        if ran_s >= HEALTHY_S:
+            c.backoff_step = 0
+        from_outside = code == 0 or (code < 0 and -code in EXTERNAL_SIGNALS)
+        if not c.got_going and not from_outside:
+            c.start_failures += 1
+            if c.start_failures >= MAX_START_FAILURES:
+                return None
+        delay = min(RESTART_BACKOFF_S[0] * 2 ** min(c.backoff_step, 16), RESTART_BACKOFF_S[1])
+        c.backoff_step += 1
+        return delay
 
     def run(self) -> dict:
         """Start everything, show the live view, stop cleanly; returns the summary dict.
@@ -534,7 +563,7 @@ class Launcher:
         console.print()  # end the live view's line, so the JSON summary starts on its own line
         summary = self._write_outputs(monitor, wall)
         if failed:
-            raise RuntimeError(f"components died: {', '.join(c.name for c in failed)} (see their logs)")
+            raise RuntimeError(f"components failed: {', '.join(c.name for c in failed)} (why above; see their logs)")
         if self.data_exhausted and not interrupted:
             raise RuntimeError(self.data_exhausted)
         if interrupted:

@@ -18,6 +18,21 @@ from topics.codec import MessageError, decode
 from topics.names import TopicNames
 from topics.schemas import DeadLetter, Metric
 
+#: seconds without a metric after which a RaaS worker (it reports every 2 s) is shown as silent: dead or stopped, while
+#: its group may still hold its partitions for ``raas.session_timeout_s``
+WORKER_SILENT_S = 10.0
+#: seconds of a RaaS worker's ``tokens_total`` reports its rollout throughput is taken over
+THROUGHPUT_WINDOW_S = 10.0
+
+
+def component_of(member: str, components) -> str | None:
+    """The component (of ``components``, names like ``raas-0``) that consumer-group member ``member`` is: Kafka
+    names a member ``"<instance or client id> <member id>"``, the local bus ``"<client id>-<host>-<pid>-<uuid>"``.
+    None: no such component."""
+    matches = [c for c in components if member == c or member.startswith((f"{c} ", f"{c}-"))]
+    return max(matches, key=len, default=None)
+
+
 @dataclass
 class PolicyView:
     """The latest trainer figures of one policy."""
@@ -160,19 +175,31 @@ class RunMonitor:
                 out[(group, topic)], down = None, True
         return out
 
-    def rollout_throughput(self, window_s: float = 30.0, now: float | None = None) -> float:
-        """Generated tokens per second across RaaS workers over the last ``window_s`` seconds before
-        ``now`` (default: the wall clock), from their ``tokens_total`` counters and the records'
-        timestamps. A worker that reported nothing in the window (stopped, dead) counts 0."""
+    def worker_throughput(self, window_s: float = THROUGHPUT_WINDOW_S, now: float | None = None) -> dict[str, float]:
+        """Per RaaS worker that ever reported, its generated tokens per second over the last ``window_s`` seconds
+        before ``now`` (default: the wall clock), from its ``tokens_total`` counter and the records' timestamps
+        (a restarted worker's counter starts again: only the reports since are used). A worker silent for
+        ``WORKER_SILENT_S`` seconds, or with fewer than two reports in the window, has 0."""
         now = time.time() if now is None else now
-        rate = 0.0
-        for series in self._rollout_tokens.values():
+        out = {}
+        for worker, series in sorted(self._rollout_tokens.items()):
             recent = [(t, n) for t, n in series if now - t <= window_s]
-            if len(recent) < 2:
-                continue
-            (t0, n0), (t1, n1) = recent[0], recent[-1]
-            rate += (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
-        return rate
+            restart = max((i for i in range(1, len(recent)) if recent[i][1] < recent[i - 1][1]), default=0)
+            recent = recent[restart:]
+            out[worker] = 0.0
+            if len(recent) >= 2 and now - recent[-1][0] <= WORKER_SILENT_S and recent[-1][0] > recent[0][0]:
+                out[worker] = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+        return out
+
+    def rollout_throughput(self, window_s: float = THROUGHPUT_WINDOW_S, now: float | None = None) -> float:
+        """Generated tokens per second across RaaS workers (the sum of :meth:`worker_throughput`): a worker
+        that stopped or died counts 0 once it has been silent ``WORKER_SILENT_S`` seconds."""
+        return sum(self.worker_throughput(window_s, now).values())
+
+    def silent_s(self, component: str, now: float | None = None) -> float | None:
+        """Seconds since ``component``'s newest metric (by its timestamp; None: it never reported)."""
+        m = self.components.get(component)
+        return None if m is None else max(0.0, (time.time() if now is None else now) - m.ts)
 
     def paused_workers(self, window_s: float = 30.0) -> list[str]:
         """RaaS workers whose latest metric (within ``window_s`` seconds) says they are paused."""
@@ -189,16 +216,20 @@ class RunMonitor:
                 if m.kind == "raas" and now - m.ts <= window_s
                 and (m.values.get("paused_by_control") or m.values.get("throttled"))}
 
-    def workers(self, window_s: float = 30.0) -> dict[str, dict[str, float]]:
-        """Per RaaS worker reporting within ``window_s`` seconds: its episodes and prompts in flight, the mean
-        requests per engine call, and per tool its latency percentiles (seconds), calls and errors, from its
-        latest metric (:meth:`producers.raas.RaasWorker._maybe_metrics`)."""
+    def workers(self, window_s: float = 300.0) -> dict[str, dict[str, float]]:
+        """Per RaaS worker reporting within ``window_s`` seconds: its rollout throughput (``tokens_per_s``,
+        :meth:`worker_throughput`), the seconds since its newest report (``silent_s``: over ``WORKER_SILENT_S``,
+        it is dead or stopped), its episodes and prompts in flight, the mean requests per engine call, and per tool
+        its latency percentiles (seconds), calls and errors, from its latest metric
+        (:meth:`producers.raas.RaasWorker._maybe_metrics`)."""
         now, out = time.time(), {}
+        rates = self.worker_throughput(now=now)
         for c, m in sorted(self.components.items()):
             if m.kind != "raas" or now - m.ts > window_s:
                 continue
-            out[c] = {k: v for k, v in m.values.items()
-                      if k in ("episodes_inflight", "prompts_inflight") or k.startswith(("tool.", "engine_batch."))}
+            out[c] = {"tokens_per_s": rates.get(c, 0.0), "silent_s": max(0.0, now - m.ts),
+                      **{k: v for k, v in m.values.items()
+                         if k in ("episodes_inflight", "prompts_inflight") or k.startswith(("tool.", "engine_batch."))}}
         return out
 
     def snapshot(self) -> dict:
@@ -240,26 +271,39 @@ class RunMonitor:
             lag.caption = f"[yellow]{self.dead_letters} dead letter(s) on {self.names.deadletter}; newest: " \
                           f"{self.last_dead_letter}[/]"
         members = Table(title="consumer-group members")
-        for col in ("consumer group", "member", "partitions", "held by control"):
+        for col in ("consumer group", "member", "partitions", "held by control", "last metric"):
             members.add_column(col)
         held = self.controlled_workers()  # astraflow control's pause or throttle, as the workers report it
         for group, owned in self.members().items():
             for member, parts in sorted(owned.items()):
+                c = component_of(member, self.components)
                 members.add_row(group, member, ",".join(map(str, parts)) or "-",
-                                f"[yellow]{held[member]}[/]" if member in held else "")
+                                f"[yellow]{held[c]}[/]" if c in held else "", self._last_metric(c))
         workers = Table(title="rollout workers")
-        tools = sorted({k.split(".")[1] for w in self.workers().values() for k in w if k.startswith("tool.")})
-        for col in ("worker", "episodes in flight", "prompts in flight", "requests per engine call",
-                    *(f"{tool} p50/p90/p99 s (errors/calls)" for tool in tools)):
+        listed = self.workers()
+        tools = sorted({k.split(".")[1] for w in listed.values() for k in w if k.startswith("tool.")})
+        for col in ("worker", "tok/s", "last metric", "episodes in flight", "prompts in flight",
+                    "requests per engine call", *(f"{tool} p50/p90/p99 s (errors/calls)" for tool in tools)):
             workers.add_column(col, justify="left" if col == "worker" else "right")
-        for worker, w in self.workers().items():
+        for worker, w in listed.items():
             batch = [v for k, v in w.items() if k.startswith("engine_batch.")]
             cells = [f"{w.get(f'tool.{t}.p50_s', 0):.3f}/{w.get(f'tool.{t}.p90_s', 0):.3f}/"
                      f"{w.get(f'tool.{t}.p99_s', 0):.3f} ({w.get(f'tool.{t}.errors_total', 0):.0f}/"
                      f"{w.get(f'tool.{t}.calls_total', 0):.0f})" for t in tools]
-            workers.add_row(worker, f"{w.get('episodes_inflight', 0):.0f}", f"{w.get('prompts_inflight', 0):.0f}",
+            workers.add_row(worker, f"{w['tokens_per_s']:.0f}", self._last_metric(worker),
+                            f"{w.get('episodes_inflight', 0):.0f}", f"{w.get('prompts_inflight', 0):.0f}",
                             f"{max(batch, default=0):.1f}", *cells)
         return Group(t, lag, members, workers)
+
+    def _last_metric(self, component: str | None) -> str:
+        """A table cell: how long ago ``component`` last reported; a RaaS worker silent for ``WORKER_SILENT_S``
+        seconds is marked ``SILENT``."""
+        ago = None if component is None else self.silent_s(component)
+        if ago is None:
+            return "-"
+        if self.components[component].kind == "raas" and ago > WORKER_SILENT_S:
+            return f"[bold red]SILENT {ago:.0f} s[/]"
+        return f"{ago:.0f} s ago"
 
     def commit(self) -> None:
         """Commit :attr:`read_to` for this monitor's consumer group, on the partitions it still owns (one that

@@ -220,6 +220,43 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict:
             "verdict": verdict}
 
 
+def report(runs: dict[str, list[list[dict]]], steps: int, cpus: list[int], place: list[str], png: Path) -> None:
+    """Print the figures of paired runs (:func:`summarize`): the table of medians and spreads, the round-by-round
+    ratios, the verdict, the curves to ``png``, and the last line, one JSON object."""
+    res = summarize(runs)
+    placement = ", ".join(place) or "none (the OS schedules every process on the cpus, 1 thread each)"
+    print(f"\narith-tiny, {steps} steps, {len(runs[OURS])} interleaved round(s), cpus {cpus}, our placement: "
+          f"{placement}; threshold {res['threshold']:.3f} (TRL's last-20% reward, mean over its runs), equal time "
+          f"{res['equal_time_s']:.1f} s (TRL's whole run, mean)")
+    print("each cell: median [min, max] over the runs")
+    print("| system | wall time (s) | steps/s | reward gain (first 20% -> last 20%) | time to threshold (s) "
+          f"| reward at {res['equal_time_s']:.0f} s |")
+    print("|---|---|---|---|---|---|")
+
+    def cell(s: dict, fmt: str, none: str = "-") -> str:
+        if s["median"] is None:
+            return none
+        gap = f"; {len(s['runs']) - s['n']} {none}" if s["n"] < len(s["runs"]) else ""
+        return f"{s['median']:{fmt}} [{s['min']:{fmt}}, {s['max']:{fmt}}{gap}]"
+
+    for name, s in res["systems"].items():
+        print(f"| {name} | {cell(s['wall_s'], '.1f')} | {cell(s['steps_per_s'], '.2f')} | {cell(s['gain'], '+.3f')} "
+              f"| {cell(s['time_to_threshold_s'], '.1f', 'never')} | {cell(s['reward_at_equal_time'], '.3f')} |")
+    print(f"AstraFlow / TRL, round by round: wall time {describe(res['wall_ratio'], '.2f')}; time to threshold "
+          f"{describe(res['time_to_threshold_ratio'], '.2f')}")
+    print(res["verdict"])
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot(runs, res["threshold"], png)
+    print(f"reward curves: {png}")
+    ours, base = res["systems"][OURS]["time_to_threshold_s"], res["systems"][TRL]["time_to_threshold_s"]
+    every = res["reached"] == res["rounds"]
+    print(json.dumps({"metric": "time_to_reward_vs_trl", "ours": ours["median"] if every else None,
+                      "baseline": base["median"],
+                      "ratio": res["time_to_threshold_ratio"]["median"] if every else None,
+                      "steps": steps, "repeats": len(runs[OURS]), "cpus": cpus,
+                      "placement": place, **res}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="200 steps, 3 rounds")
@@ -243,7 +280,6 @@ def main() -> None:
     from astraflow.placement import placement_overrides
 
     ours_overrides = [*args.set, *placement_overrides(args.place)]
-    placement = ", ".join(args.place) or "none (the OS schedules every process on the cpus, 1 thread each)"
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
     runs: dict[str, list[list[dict]]] = {TRL: [], OURS: []}
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp:
@@ -254,36 +290,7 @@ def main() -> None:
             first, last = fifth_means(rows)
             print(f"round {r}: {name}: {len(rows)} steps in {rows[-1]['t']:.1f} s, reward {first:.3f} -> "
                   f"{last:.3f} ({last - first:+.3f})", flush=True)
-    res = summarize(runs)
-    print(f"\narith-tiny, {steps} steps, {args.repeats} interleaved round(s), cpus {cpus}, our placement: "
-          f"{placement}; threshold {res['threshold']:.3f} (TRL's last-20% reward, mean over its runs), equal time "
-          f"{res['equal_time_s']:.1f} s (TRL's whole run, mean)")
-    print("each cell: median [min, max] over the runs")
-    print("| system | wall time (s) | steps/s | reward gain (first 20% -> last 20%) | time to threshold (s) "
-          f"| reward at {res['equal_time_s']:.0f} s |")
-    print("|---|---|---|---|---|---|")
-
-    def cell(s: dict, fmt: str) -> str:
-        if s["median"] is None:
-            return "never" if s["runs"] else "-"
-        gap = f"; {len(s['runs']) - s['n']} never" if s["n"] < len(s["runs"]) else ""
-        return f"{s['median']:{fmt}} [{s['min']:{fmt}}, {s['max']:{fmt}}{gap}]"
-
-    for name, s in res["systems"].items():
-        print(f"| {name} | {cell(s['wall_s'], '.1f')} | {cell(s['steps_per_s'], '.2f')} | {cell(s['gain'], '+.3f')} "
-              f"| {cell(s['time_to_threshold_s'], '.1f')} | {cell(s['reward_at_equal_time'], '.3f')} |")
-    print(f"AstraFlow / TRL, round by round: wall time {describe(res['wall_ratio'], '.2f')}; time to threshold "
-          f"{describe(res['time_to_threshold_ratio'], '.2f')}")
-    print(res["verdict"])
-    args.png.parent.mkdir(parents=True, exist_ok=True)
-    plot(runs, res["threshold"], args.png)
-    print(f"reward curves: {args.png}")
-    ours, base = res["systems"][OURS]["time_to_threshold_s"], res["systems"][TRL]["time_to_threshold_s"]
-    every = res["reached"] == res["rounds"]
-    print(json.dumps({"metric": "time_to_reward_vs_trl", "ours": ours["median"] if every else None,
-                      "baseline": base["median"],
-                      "ratio": res["time_to_threshold_ratio"]["median"] if every else None,
-                      "steps": steps, "repeats": args.repeats, "cpus": cpus, "placement": args.place, **res}))
+    report(runs, steps, cpus, args.place, args.png)
 
 
 if __name__ == "__main__":

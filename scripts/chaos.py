@@ -11,8 +11,11 @@ group (``lost``) and groups trained twice.
 
 Prints each fault as it happens and ends with one JSON line::
 
-    {"metric": "chaos", "steps": ..., "complete": ..., "kills": ..., "broker_bounces": ..., "lost": ...,
-     "trained_twice": ..., "reward_first": ..., "reward_last": ..., "wall_s": ...}
+    {"metric": "chaos", "steps": ..., "complete": ..., "kills": ..., "killed": [...], "broker_bounces": ...,
+     "restarts": ..., "lost": ..., "trained_twice": ..., "committed_prompts": ..., "reward_first": ...,
+     "reward_last": ..., "wall_s": ...}
+
+(``restarts``: the launcher's restarts of all components, from ``components.json``, so also for a failed run.)
 
 and exits 1 when the run did not complete, lost a committed prompt, trained a group twice, or its
 reward did not rise (``reward_last`` <= ``reward_first``: the mean training reward over the last and the
@@ -49,6 +52,15 @@ def broker(action: str, port: int) -> None:
     """``scripts/kafka-local.sh <action>`` for the broker on ``port``."""
     subprocess.run(["scripts/kafka-local.sh", action], cwd=ROOT, check=True, timeout=300,
                    env=dict(os.environ, KAFKA_PORT=str(port)), stdout=subprocess.DEVNULL)
+
+
+def restarts(run_dir: Path) -> int | None:
+    """Restarts of every component, from the launcher's ``components.json`` (written at each start and exit, so it
+    holds them also when the run failed and printed no summary); None when it cannot be read."""
+    try:
+        return sum(e["restarts"] for e in json.loads((run_dir / "components.json").read_text()).values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def live_components(run_dir: Path) -> dict[str, int]:
@@ -132,7 +144,7 @@ def main() -> int:
     complete = bool(summary.get("complete")) and launcher.returncode == 0
     result = {"metric": "chaos", "steps": max(audit.versions, default=0), "complete": complete,
               "kills": len(kills), "killed": sorted(set(kills)), "broker_bounces": bounces,
-              "restarts": summary.get("restarts"), "lost": len(audit.lost), "trained_twice": len(audit.trained_twice),
+              "restarts": restarts(run_dir), "lost": len(audit.lost), "trained_twice": len(audit.trained_twice),
               "committed_prompts": audit.committed_prompts, "reward_first": summary.get("reward_first"),
               "reward_last": summary.get("reward_last"), "wall_s": round(time.monotonic() - t0, 1)}
     if not complete:

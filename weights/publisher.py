@@ -40,14 +40,14 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
-from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from topics.bus import Bus
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
 from topics.schemas import WeightAnnouncement
 from weights.codec import encode_delta, save_full, state_sha256
-from weights.store import StoreError, WeightStore
+from weights.store import StoreError, StoreUnavailable, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -198,9 +198,11 @@ class Publisher:
                 sha = self._publish_one(version, buf, consumed)
                 ok = True
             except Exception as e:  # keep publishing later versions; the caller sees self.errors
-                log.warning("publisher %s: version %d failed (%s: %s); the next version will be a delta from the "
-                            "last published, %s", self.policy, version, type(e).__name__, e,
-                            self._base[0] if self._base is not None else None)
+                # a store failure is logged once per outage by the store itself: each retry here is detail
+                log.log(logging.DEBUG if isinstance(e, StoreUnavailable) else logging.WARNING,
+                        "publisher %s: version %d failed (%s: %s); the next version will be a delta from the "
+                        "last published, %s", self.policy, version, type(e).__name__, e,
+                        self._base[0] if self._base is not None else "none yet")
                 log.debug("publisher %s: version %d failed", self.policy, version, exc_info=True)
                 self.errors.append(e)
             with self._cv:
@@ -235,7 +237,9 @@ class Publisher:
         for attempt in Retrying(stop=stop_after_attempt(self.attempts), reraise=True,
                                 wait=wait_exponential(multiplier=0.5, max=5.0),
                                 retry=retry_if_exception_type(StoreError),
-                                before_sleep=before_sleep_log(log, logging.WARNING)):
+                                before_sleep=lambda s: log.debug(
+                                    "publisher %s: put %s: attempt %d failed (%s); retrying in %.1f s", self.policy,
+                                    key, s.attempt_number, s.outcome.exception(), s.next_action.sleep)):
             with attempt:
                 self.store.put(key, data)
 

@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from topics.bus import Bus
 from topics.follow import Follower
 from topics.names import TopicNames
 from topics.schemas import WeightAnnouncement
-from weights.codec import PREFIX_BYTES, WeightFormatError, apply_delta, load_full, read_prefix
+from weights.codec import (PREFIX_BYTES, BaseMismatch, WeightFormatError, apply_delta, load_full, read_prefix,
+                           state_sha256)
 from weights.store import ObjectMissing, StoreError, StoredObject, WeightStore
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,10 @@ class Puller:
         self._bases: dict[int, int] = {}
         self._bad: set[str] = set()
         self._durable: tuple[int, float, int | None] | None = None  # (newest announced, when, answer)
-        # the store listing in flight: (its future, when it started, whether its wait was warned about)
-        self._listing: tuple[concurrent.futures.Future, float, bool] | None = None
+        self._ghost_told: int | None = None  # the announced version last warned about as not in the store
+        self._listing: tuple[concurrent.futures.Future, float] | None = None  # the listing in flight, since when
+        #: since when listings have gone unanswered (set once that was warned about; cleared when one answers)
+        self._unanswered_since: float | None = None
         self._announcements = (Follower(bus, names.weights, WeightAnnouncement, client_id=f"puller-{policy}")
                                if bus is not None else None)
 
@@ -119,8 +122,9 @@ class Puller:
         seconds: a store that hangs (a frozen server holds a request until the client's timeout)
         never holds the caller, a rollout loop, longer than that. Until it answers, and when it
         fails, the last answer stands; a listing that has not answered for
-        :attr:`STORE_PATIENCE_S` seconds gets one warning naming the store, and one line when the
-        store answers again.
+        :attr:`STORE_PATIENCE_S` seconds gets one warning naming the store, and one line when a
+        listing is answered again (the listings between, failed or waiting, are not warned about
+        again: one episode, two lines).
         """
         newest = self.newest
         if newest is None:
@@ -129,30 +133,35 @@ class Puller:
             return self._durable[2]
         last = self._durable[2] if self._durable is not None else self.version
         if self._listing is None:
-            self._listing = (self._list_in_thread(), time.monotonic(), False)
+            self._listing = (self._list_in_thread(), time.monotonic())
             concurrent.futures.wait([self._listing[0]], timeout=wait_s)
-        listing, since, warned = self._listing
+        listing, since = self._listing
         if not listing.done():
             waited = time.monotonic() - since
-            if waited >= self.STORE_PATIENCE_S and not warned:
+            if waited >= self.STORE_PATIENCE_S and self._unanswered_since is None:
                 log.warning("puller %s: the store (%s) has not answered a listing for %.0f s; rolling out on "
                             "version %s until it does", self.policy, self.store.uri_of(""), waited, last)
-                self._listing = (listing, since, True)
+                self._unanswered_since = since
             return last
         self._listing = None
         try:
             stored = listing.result()
         except StoreError as e:
-            log.warning("puller %s: cannot list the store (%s); keeping the last durable version", self.policy, e)
+            log.debug("puller %s: cannot list the store (%s); keeping the last durable version", self.policy, e)
             return last
-        if warned:
-            log.warning("puller %s: the store answered again after %.1f s", self.policy, time.monotonic() - since)
+        if self._unanswered_since is not None:
+            log.warning("puller %s: the store answered again after %.1f s", self.policy,
+                        time.monotonic() - self._unanswered_since)
+            self._unanswered_since = None
         durable = max((v for v in self.announced if v in stored), default=self.version)
         if self.version is not None and durable is not None:
             durable = max(durable, self.version)
-        if durable != newest and (self._durable is None or self._durable[::2] != (newest, durable)):
-            log.warning("puller %s: version %d is announced but not in the store; the newest durable is %s",
-                        self.policy, newest, durable)
+        if durable != newest and newest != self._ghost_told:  # once per ghost, not at each listing
+            self._ghost_told = newest
+            log.warning("puller %s: version %d is announced but not in the store (a crash between upload and "
+                        "announcement, a deleted object or a foreign writer): not a target; %s", self.policy, newest,
+                        "no announced version is in the store yet" if durable is None
+                        else f"rolling out up to version {durable}, the newest stored")
         self._durable = (newest, time.monotonic(), durable)
         return durable
 
@@ -238,7 +247,9 @@ class Puller:
         for attempt in Retrying(stop=stop_after_attempt(self.attempts), reraise=True,
                                 wait=wait_exponential(multiplier=self.backoff_s, max=5.0),
                                 retry=retry_if_exception_type(StoreError),
-                                before_sleep=before_sleep_log(log, logging.WARNING)):
+                                before_sleep=lambda s: log.debug(
+                                    "puller %s: fetching %s: attempt %d failed (%s); retrying in %.1f s",
+                                    self.policy, key, s.attempt_number, s.outcome.exception(), s.next_action.sleep)):
             with attempt:
                 if path is not None:
                     return self.store.download(key, path)
@@ -248,6 +259,8 @@ class Puller:
         uri = self.store.uri_of(step.obj.key)
         if step.kind == "delta":
             data = self._fetch(step.obj.key)
+            if self.sha256 is None:  # given without its checksum: a delta checks its base against it
+                self.sha256 = state_sha256(self.state)
             hdr = apply_delta(data, self.state, expect_sha256=expect_sha, base_sha256=self.sha256)
             self.version, self.sha256 = step.version, hdr.sha256
             if self.changed is not None:
@@ -302,6 +315,9 @@ class Puller:
                 raise WeightsUnavailable(f"policy {self.policy!r}: {step.kind} for version {step.version} "
                                          f"({uri}) could not be fetched after {self.attempts} attempts: {e}; "
                                          f"keeping version {self.version}") from e
+            except BaseMismatch as e:  # the object is sound but not for these weights: refetching cannot help
+                self._bad.add(step.obj.key)
+                log.warning("puller %s: %s; excluding %s and falling back (a full snapshot)", self.policy, e, uri)
             except WeightFormatError as e:
                 tried[step.obj.key] = tried.get(step.obj.key, 0) + 1
                 if tried[step.obj.key] == 1:

@@ -15,8 +15,11 @@ under a root URI, through obstore:
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +28,8 @@ from typing import Any, Literal
 import obstore
 from obstore.exceptions import NotFoundError
 from obstore.store import from_url
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["delta", "full"]
 #: Object file name of each kind.
@@ -43,7 +48,12 @@ _KEY = re.compile(r"^(?P<policy>[^/]+)/(?P<version>\d{8})/(?P<file>delta\.zst|fu
 
 
 class StoreError(RuntimeError):
-    """An object-store operation failed (network, permissions, bad URI)."""
+    """An object-store operation failed (network, permissions, bad URI); the message says why in one line."""
+
+
+class StoreUnavailable(StoreError):
+    """The store failed a request (unreachable, no answer in time, an error status). The store logs such failures
+    once per episode (:meth:`WeightStore._failed`), so a caller that retries logs each one at debug level."""
 
 
 class ObjectMissing(StoreError):
@@ -59,6 +69,36 @@ class StoredObject:
     kind: Kind
     key: str
     size: int
+
+
+def describe_failure(e: BaseException) -> str:
+    """The cause of obstore exception ``e`` in one line of words, e.g. ``unreachable: connection refused at
+    http://127.0.0.1:9000 (9 retries in 2.6 s)``, ``unreachable: no answer (timed out) at ...``, ``answered HTTP
+    404 NoSuchBucket (The specified bucket does not exist) at ...``. obstore's message carries a ~40-line Rust
+    debug dump of the error chain; this reads the cause out of it (the dump itself belongs in a debug log)."""
+    text = str(e)
+    head = " ".join(text.split("Debug source:", 1)[0].split())
+    endpoint = re.search(r"(https?://[^/\s,]+)", text)
+    at = f" at {endpoint.group(1)}" if endpoint else ""
+    os_error = re.search(r'Os \{[^}]*?message: "([^"]+)"', text, re.S)
+    status = re.search(r"\bstatus: (\d{3})\b", text)
+    if os_error:
+        cause = f"unreachable: {os_error.group(1).lower()}{at}"
+    elif re.search(r"\bkind: Timeout\b|\bTimedOut\b", text):
+        cause = f"unreachable: no answer (timed out){at}"
+    elif re.search(r"\bkind: Connect\b", text):
+        cause = f"unreachable: cannot connect{at}"
+    elif status:
+        code, message = re.search(r"<Code>([^<]*)</Code>", text), re.search(r"<Message>([^<]*)</Message>", text)
+        cause = (f"answered HTTP {status.group(1)}" + (f" {code.group(1)}" if code else "")
+                 + (f" ({message.group(1)})" if message else "") + at)
+    else:
+        return f"{type(e).__name__}: {head[:300]}"
+    retries, elapsed = re.search(r"\bretries: (\d+)", text), re.search(r"\belapsed: ([\d.]+)(ms|s)\b", text)
+    if retries and elapsed:
+        seconds = float(elapsed.group(1)) / (1000.0 if elapsed.group(2) == "ms" else 1.0)
+        cause += f" ({retries.group(1)} retries in {seconds:.1f} s)"
+    return cause
 
 
 def _profile_credentials(options: dict[str, Any]) -> Any:
@@ -110,6 +150,8 @@ class WeightStore:
         if "/" in run or not run:
             raise StoreError(f"run name {run!r} must be a non-empty path component")
         self.uri, self.run = uri.rstrip("/"), run
+        self._lock = threading.Lock()
+        self._failing: tuple[float, int] | None = None  # (monotonic start, failed requests) of an ongoing failure
         try:
             if scheme == "file":
                 Path(rest).mkdir(parents=True, exist_ok=True)
@@ -154,6 +196,30 @@ class WeightStore:
             raise StoreError(f"object URI {uri!r} is not under this store ({self.uri})")
         return uri[len(self.uri) + 1:]
 
+    def _failed(self, what: str, uri: str, e: Exception) -> StoreUnavailable:
+        """The StoreUnavailable for obstore failure ``e`` of request ``what`` ``uri`` (``put s3://b/p/k``), its message
+        the cause in one line (:func:`describe_failure`). Logged once per episode: the first failure after an
+        answer is one warning with its cause, :meth:`_answered` ends the episode; the failures between (each
+        caller's retries) go to the debug log, with obstore's whole message."""
+        cause = describe_failure(e)
+        log.debug("%s %s failed: %s", what, uri, e)
+        with self._lock:
+            if self._failing is None:
+                log.warning("store %s %s, on %s %s; further failures go to the debug log until it answers",
+                            self.uri, cause, what, uri)
+                self._failing = (time.monotonic(), 0)
+            self._failing = (self._failing[0], self._failing[1] + 1)
+        return StoreUnavailable(f"{what} {uri} failed: store {cause}")
+
+    def _answered(self) -> None:
+        """The store answered a request: an ongoing failure episode ends, with one warning line."""
+        with self._lock:
+            if self._failing is not None:
+                since, failed = self._failing
+                self._failing = None
+                log.warning("store %s back after %.1f s (%d requests failed)", self.uri, time.monotonic() - since,
+                            failed)
+
     def put(self, key: str, data: bytes | Path) -> None:
         """Write ``data`` (bytes, or a local file streamed in parts) to ``key`` atomically.
 
@@ -163,7 +229,8 @@ class WeightStore:
         try:
             obstore.put(self._store, key, data)
         except Exception as e:
-            raise StoreError(f"put {self.uri_of(key)} failed ({type(e).__name__}: {e})") from None
+            raise self._failed("put", self.uri_of(key), e) from None
+        self._answered()
 
     def get(self, key: str, start: int | None = None, length: int | None = None) -> bytes:
         """Read object ``key`` (or ``length`` bytes from ``start``).
@@ -174,14 +241,16 @@ class WeightStore:
         """
         try:
             if start is None:
-                return obstore.get(self._store, key).bytes().to_bytes()
-            return obstore.get_range(self._store, key, start=start, length=length).to_bytes()
-        except NotFoundError:
-            raise ObjectMissing(f"weight object {self.uri_of(key)} does not exist") from None
-        except FileNotFoundError:
+                out = obstore.get(self._store, key).bytes().to_bytes()
+            else:
+                out = obstore.get_range(self._store, key, start=start, length=length).to_bytes()
+        except (NotFoundError, FileNotFoundError):
+            self._answered()
             raise ObjectMissing(f"weight object {self.uri_of(key)} does not exist") from None
         except Exception as e:
-            raise StoreError(f"get {self.uri_of(key)} failed ({type(e).__name__}: {e})") from None
+            raise self._failed("get", self.uri_of(key), e) from None
+        self._answered()
+        return out
 
     def download(self, key: str, path: Path) -> int:
         """Stream object ``key`` into the local file ``path``; returns its size in bytes.
@@ -195,11 +264,13 @@ class WeightStore:
                 for chunk in obstore.get(self._store, key):
                     f.write(chunk)
                     size += len(chunk)
-            return size
         except NotFoundError:
+            self._answered()
             raise ObjectMissing(f"weight object {self.uri_of(key)} does not exist") from None
         except Exception as e:
-            raise StoreError(f"download {self.uri_of(key)} failed ({type(e).__name__}: {e})") from None
+            raise self._failed("download", self.uri_of(key), e) from None
+        self._answered()
+        return size
 
     def objects(self, policy: str) -> list[StoredObject]:
         """Every weight object of ``policy``, sorted by (version, kind).
@@ -217,7 +288,8 @@ class WeightStore:
                         kind = "delta" if m["file"] == FILENAMES["delta"] else "full"
                         out.append(StoredObject(policy, int(m["version"]), kind, meta["path"], int(meta["size"])))
         except Exception as e:
-            raise StoreError(f"list {self.uri}/{prefix} failed ({type(e).__name__}: {e})") from None
+            raise self._failed("list", f"{self.uri}/{prefix}", e) from None
+        self._answered()
         return sorted(out, key=lambda o: (o.version, o.kind))
 
     def versions(self, policy: str) -> dict[int, dict[str, StoredObject]]:
@@ -254,5 +326,5 @@ class WeightStore:
             try:
                 obstore.delete(self._store, doomed)
             except Exception as e:
-                raise StoreError(f"delete under {self.uri}/{self.run}/{policy} failed ({type(e).__name__}: {e})") from None
+                raise self._failed("delete", f"{len(doomed)} objects under {self.uri}/{self.run}/{policy}", e) from None
         return doomed

@@ -1,6 +1,7 @@
 """The weight store unreachable for 60 s mid-run (the TCP path to a real S3 server cut, then restored):
 the failed publishes show on the console within seconds, the run reaches its steps, and no group is
-trained twice, and no committed prompt is lost."""
+trained twice, and no committed prompt is lost. Each component's log says so in a few lines: one warning with
+the cause in words when the store fails, one when it is back."""
 import os
 import re
 import socket
@@ -16,6 +17,12 @@ from run_checks import assert_exactly_once, finish, steps_trained, wait_for_step
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
+LOGGED = ("trainer.actor", "raas-0")  # the components that use the store
+
+
+def _log(run_dir: Path, component: str) -> list[str]:
+    """The lines of ``component``'s log so far."""
+    return (run_dir / "logs" / f"{component}.log").read_text(errors="replace").splitlines()
 
 
 class StorePath:
@@ -57,9 +64,11 @@ def test_a_store_outage_is_ridden_out(tmp_path, s3_endpoint):
     try:
         wait_for_steps(launcher, run_dir, 8, time.monotonic() + 240)
         path.cut()
+        before = {c: len(_log(run_dir, c)) for c in LOGGED}
         time.sleep(60)
         assert launcher.poll() is None, "the launcher gave up during the store outage"
         held_at = steps_trained(run_dir)
+        outage_lines = {c: _log(run_dir, c)[before[c]:] for c in LOGGED}
         path.restore()
         summary, err = finish(launcher, run_dir, STEPS, 600)
     finally:
@@ -73,4 +82,14 @@ def test_a_store_outage_is_ridden_out(tmp_path, s3_endpoint):
     # durable version (+1: the version whose publish failed first); measured: durable 9, held at 13
     durable = int(re.search(r"failed weight publish\(es\); the newest durable version is (\d+)", err).group(1))
     assert held_at <= durable + 5, (held_at, durable)
+    # one warning per component when the store fails, with the cause in words, and one when it is back; the
+    # retries between at debug level (before: obstore's ~40-line Rust debug dump at each failed request and
+    # "Retrying <unknown>", some 600 lines in 30 s)
+    for c in LOGGED:
+        lines = _log(run_dir, c)
+        failing = [line for line in lines if f"store s3://{bucket}/w unreachable: connection re" in line]
+        assert len(failing) == 1 and " WARNING " in failing[0], (c, failing)
+        assert sum(f"store s3://{bucket}/w back after " in line for line in lines) == 1, c
+        assert not any("Debug source" in line or "<unknown>" in line for line in lines), c
+        assert len(outage_lines[c]) <= 20, (c, len(outage_lines[c]), outage_lines[c][:40])
     assert_exactly_once(run, run_dir, STEPS)

@@ -1,5 +1,5 @@
 """`astraflow run` supervises: a component killed with SIGKILL, or stopped from outside with SIGTERM, is
-restarted, and a filter processor stopped with SIGSTOP (wedged) is killed and restarted; the run still reaches its steps, training no group twice and losing no committed prompt (on both
+restarted, however often it is killed (kills clustered on one component cost back-off, not the run), and a filter processor stopped with SIGSTOP (wedged) is killed and restarted; the run still reaches its steps, training no group twice and losing no committed prompt (on both
 buses); a run whose data ran out says so; a run that did not reach its steps exits non-zero."""
 import json
 import os
@@ -19,6 +19,7 @@ from astraflow.launcher import process_start_time
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
 STARVED_WATCHDOG_S = 10  # the starvation test's watchdog period (s)
+CLUSTERED_KILLS = 5  # SIGKILLs of raas-0 after its SIGTERM, each right after it came back (back-off 2+4+8+16+30 s)
 
 
 def component_pid(run_dir: Path, name: str) -> int | None:
@@ -27,11 +28,21 @@ def component_pid(run_dir: Path, name: str) -> int | None:
     return entry["pid"] if entry["exit_code"] is None else None
 
 
+def restarted_pid(run_dir: Path, name: str, old_pid: int, deadline: float) -> int:
+    """The pid of component ``name`` once the launcher has started a process other than ``old_pid``."""
+    while (pid := component_pid(run_dir, name)) in (None, old_pid):
+        assert time.monotonic() < deadline, f"{name} was not restarted"
+        time.sleep(0.05)
+    return pid
+
+
 @pytest.mark.slow
 def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url):
-    # One run: SIGTERM the RaaS worker (it stops cleanly, exit 0: still not the run's end), SIGKILL acquisition,
-    # SIGSTOP the filter processor (a wedge: the launcher kills it once records have waited at its unmoved
-    # committed offsets for step_deadline_s + 40 s), SIGKILL the trainer, 8 steps apart.
+    # One run: SIGTERM the RaaS worker (it stops cleanly, exit 0: still not the run's end), then SIGKILL it 5 times,
+    # each as soon as it is back (6 deaths in a row, as chaos.py's clustered kills: the old budget of 5 restarts in
+    # a row failed the run); SIGKILL acquisition, SIGSTOP the filter processor (a wedge: the launcher kills it once
+    # records have waited at its unmoved committed offsets for step_deadline_s + 40 s), SIGKILL the trainer,
+    # 8 steps apart.
     run, run_dir = f"sup{uuid.uuid4().hex[:8]}", tmp_path / "run"
     args = ["examples/arith-tiny.yaml", f"run={run}", f"run_dir={run_dir}", f"bus={bus_url}",
             f"policies.actor.steps={STEPS}", "policies.actor.checkpoint_every=5",
@@ -41,17 +52,21 @@ def test_killed_components_are_restarted_and_the_run_completes(tmp_path, bus_url
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     components = ["raas-0", "acquire", "policy.actor", "trainer.actor"]
     try:
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + 480  # 400 s, and the clustered kills' back-off (61 s)
         for i, name in enumerate(components):
             wait_for_steps(launcher, run_dir, 8 * (i + 1), deadline)
             pid = component_pid(run_dir, name)
             assert pid is not None, name
             os.kill(pid, {"raas-0": signal.SIGTERM, "policy.actor": signal.SIGSTOP}.get(name, signal.SIGKILL))
+            for _ in range(CLUSTERED_KILLS if name == "raas-0" else 0):
+                pid = restarted_pid(run_dir, name, pid, deadline)
+                os.kill(pid, signal.SIGKILL)
     except BaseException:
         launcher.kill()
         raise
     summary, err = finish(launcher, run_dir, STEPS, 400)
-    assert summary["restarts"] == 4 and all(f"restarted {c}" in err for c in components), summary
+    assert summary["restarts"] == 4 + CLUSTERED_KILLS and all(f"restarted {c}" in err for c in components), summary
+    assert " ".join(err.split()).count("component raas-0 was killed by SIGKILL") == CLUSTERED_KILLS, err[-3000:]
     assert "component raas-0 stopped (exit code 0) while the run goes on" in err
     flat = " ".join(err.split())  # the console wraps its lines
     assert re.search(r"watchdog: \d+ records of \S+ have waited at the same committed offsets of \S+ for \d+ s: "

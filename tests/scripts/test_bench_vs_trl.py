@@ -1,12 +1,13 @@
 """bench_vs_trl's summary of paired runs: every run's figures, the round-by-round ratios and their spread,
 and a verdict that says "not met" or "parity" when the runs say so."""
+import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_vs_trl import OURS, TRL, summarize  # noqa: E402
+from bench_vs_trl import OURS, TRL, report, summarize  # noqa: E402
 
 # 50 steps: reward 0.1, then 1.0 from step 25, then 0.6 for the last 10 (TRL's threshold: 0.6); the 20-step
 # moving average first reaches 0.6 at step index 36
@@ -37,3 +38,16 @@ def test_a_spread_that_straddles_one_is_parity():
                                               "max": 1.1}
     assert res["verdict"] == "equal-step wall time 0.80-1.10x TRL's (parity); time to TRL's final reward: " \
                              "0.80-1.10x TRL's (parity)"
+
+
+def test_the_report_ends_with_every_run_and_the_spread(tmp_path, capsys):
+    report({TRL: [rows(1.0), rows(1.2)], OURS: [rows(0.6), rows(0.9)]}, 50, [0, 1], [], tmp_path / "curves.png")
+    out = capsys.readouterr().out.splitlines()
+    last = json.loads(out[-1])
+    assert last["metric"] == "time_to_reward_vs_trl" and last["repeats"] == 2
+    assert last["ratio"] == 0.675 and last["ours"] == 27.8 and last["baseline"] == 40.7  # medians
+    assert last["time_to_threshold_ratio"]["runs"] == [0.6, 0.75]
+    assert last["systems"][OURS]["wall_s"] == {"runs": [30.0, 45.0], "n": 2, "median": 37.5, "min": 30.0,
+                                               "max": 45.0}
+    assert "| AstraFlow | 37.5 [30.0, 45.0] |" in "\n".join(out)
+    assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -1,0 +1,90 @@
+"""The launcher's restart policy (CrashLoopBackOff): a component killed from outside is restarted however often it
+is killed, with a doubling, capped back-off; a component that exits on its own before it ever got going fails the
+run after ``MAX_START_FAILURES`` tries, naming it. Real processes, real SIGKILLs; the back-off is shortened."""
+import io
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+import astraflow.launcher as launcher_mod
+from astraflow.config import load_config
+from astraflow.launcher import Component, Launcher
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _launcher(tmp_path, monkeypatch, *components: Component) -> tuple[Launcher, io.StringIO]:
+    example = ROOT / "examples" / "arith-tiny.yaml"
+    launcher = Launcher(load_config(example, [f"run_dir={tmp_path}"]), example, [])
+    launcher.components = list(components)
+    out = io.StringIO()
+    monkeypatch.setattr(launcher_mod, "console", Console(file=out, width=200))
+    monkeypatch.setattr(launcher_mod, "RESTART_BACKOFF_S", (0.05, 0.4))
+    for c in components:
+        launcher._start(c)
+    return launcher, out
+
+
+def _supervise_until(launcher: Launcher, done, timeout_s: float = 30.0) -> list[Component]:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        failed = launcher._supervise()
+        if failed:
+            return failed
+        assert time.monotonic() < deadline, "supervision did not get there"
+        time.sleep(0.02)
+    return []
+
+
+def test_a_component_killed_right_after_each_restart_is_restarted_every_time(tmp_path, monkeypatch):
+    # 8 SIGKILLs, each as soon as the new process is up (it never got going): more than the old budget of
+    # 5 restarts in a row, which failed the run ("used its 5 restarts in a row")
+    comp = Component("raas-0", [sys.executable, "-c", "import time; time.sleep(300)"], tmp_path / "raas-0.log")
+    launcher, out = _launcher(tmp_path, monkeypatch, comp)
+    gaps = []  # seconds from each SIGKILL to the new process
+    try:
+        for kill in range(8):
+            pid, killed = comp.proc.pid, time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            assert _supervise_until(launcher, lambda: comp.proc.pid != pid) == []
+            gaps.append(time.monotonic() - killed)
+    finally:
+        comp.proc.kill()
+        comp.proc.wait()
+    assert comp.restarts == 8 and comp.start_failures == 0, (comp.restarts, comp.start_failures)
+    # the back-off doubles from 0.05 s up to its cap, 0.4 s
+    backoff = [0.05, 0.1, 0.2, 0.4, 0.4, 0.4, 0.4, 0.4]
+    assert all(b <= g < b + 1.0 for b, g in zip(backoff, gaps)), gaps
+    assert out.getvalue().count("was killed by SIGKILL") == 8 and "restarted raas-0 (restart 8)" in out.getvalue()
+
+
+def test_a_component_that_cannot_start_fails_the_run_naming_it(tmp_path, monkeypatch):
+    comp = Component("exporter", [sys.executable, "-c", "import sys; sys.exit('port 9400 in use')"],
+                     tmp_path / "exporter.log")
+    launcher, out = _launcher(tmp_path, monkeypatch, comp)
+    failed = _supervise_until(launcher, lambda: False)
+    assert failed == [comp]
+    tries = launcher_mod.MAX_START_FAILURES
+    assert comp.start_failures == tries and comp.restarts == tries - 1, (comp.start_failures, comp.restarts)
+    text = " ".join(out.getvalue().split())
+    assert (f"exporter cannot start: it exited on its own {launcher_mod.MAX_START_FAILURES} times before any process "
+            f"of it ran {launcher_mod.STARTED_S:.0f} s (exit code 1") in text, text[-2000:]
+    assert "port 9400 in use" in text  # the log's tail says why
+
+
+def test_a_component_that_once_got_going_is_restarted_whatever_stops_it(tmp_path, monkeypatch):
+    # a component that ran STARTED_S seconds once, then exits with an error at each start (e.g. the store is down
+    # while it restarts): restarted for as long as the run goes
+    monkeypatch.setattr(launcher_mod, "STARTED_S", 0.5)
+    flag = tmp_path / "ran"
+    script = (f"import pathlib, sys, time; f = pathlib.Path({str(flag)!r})\n"
+              "if f.exists(): sys.exit(1)\nf.touch(); time.sleep(1.0); sys.exit(1)")
+    comp = Component("trainer.actor", [sys.executable, "-c", script], tmp_path / "trainer.log")
+    launcher, _ = _launcher(tmp_path, monkeypatch, comp)
+    assert _supervise_until(launcher, lambda: comp.restarts >= 2 * launcher_mod.MAX_START_FAILURES) == []
+    assert comp.got_going and comp.start_failures == 0
+    comp.proc.wait()

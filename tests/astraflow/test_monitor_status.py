@@ -1,0 +1,53 @@
+"""What ``astraflow status`` shows of a dead RaaS worker that its group still counts as a member (it holds its
+partitions until ``raas.session_timeout_s``): marked SILENT, with 0 tok/s, beside a live worker's own throughput;
+the run's rollout throughput is the live worker's alone. Real records on a real (embedded) bus, a real member."""
+import time
+
+from rich.console import Console
+
+from astraflow.monitor import WORKER_SILENT_S, RunMonitor
+from topics.bus import connect
+from topics.codec import encode, headers_for
+from topics.names import TopicNames
+from topics.schemas import Metric
+
+
+def test_status_marks_a_silent_worker_and_shows_each_workers_throughput(tmp_path):
+    bus, names = connect(f"local://{tmp_path / 'bus'}"), TopicNames("status")
+    bus.admin().ensure_run_topics(names, ["actor"])
+    now = time.time()
+    producer = bus.producer()
+    # raas-0 reports every 2 s up to now, 100 tokens a report (50 tok/s); raas-1 did the same until 20 s ago
+    for worker, last in (("raas-0", now), ("raas-1", now - 20)):
+        for i in range(6):
+            m = Metric(component=worker, kind="raas", values={"tokens_total": 1000 + 100 * i}, ts=last - 10 + 2 * i)
+            producer.send(names.metrics, encode(m), key=worker, headers=headers_for(m))
+    producer.flush()
+    # the dead worker's consumer is still a member of the RaaS group (its session has not expired)
+    member = bus.consumer(names.raas_group("single_turn"), client_id="raas-1", instance_id="raas-1",
+                          session_timeout_s=120.0)
+    member.subscribe([names.prompts])
+    member.poll(1, 1.0)
+    monitor = RunMonitor(bus, names, ["actor"], "single_turn")
+    try:
+        deadline = time.monotonic() + 30
+        while len(monitor.components) < 2:
+            assert time.monotonic() < deadline, "the metrics did not arrive"
+            monitor.poll(0.5)
+        rates = monitor.worker_throughput()
+        assert rates["raas-1"] == 0.0 and abs(rates["raas-0"] - 50.0) < 1e-6, rates
+        assert abs(monitor.rollout_throughput() - 50.0) < 1e-6  # the 30 s average counted the dead worker: 100
+        workers = monitor.snapshot()["workers"]
+        assert workers["raas-1"]["silent_s"] > WORKER_SILENT_S > workers["raas-0"]["silent_s"], workers
+        console = Console(width=250, record=True)
+        console.print(monitor.table())
+        text = console.export_text()
+        member_row = next(line for line in text.splitlines() if "raas-1" in line and "status.raas.single_turn" in line)
+        assert "SILENT 2" in member_row, text  # 20-21 s
+        cells = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines()]
+        rows = {row[0]: row[1:3] for row in cells if row and row[0] in ("raas-0", "raas-1")}  # worker: tok/s, last
+        assert rows["raas-0"][0] == "50" and rows["raas-0"][1].endswith(" s ago"), text
+        assert rows["raas-1"][0] == "0" and rows["raas-1"][1].startswith("SILENT 2"), text
+    finally:
+        monitor.close()
+        member.close()
