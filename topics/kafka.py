@@ -290,7 +290,12 @@ COMMIT_TIMEOUT_S = 60.0
 
 
 class _Fenced(Exception):
-    """A group member's commit was fenced, or never returned: its librdkafka consumer must be re-created."""
+    """A group member's commit was fenced, or never returned (``wedged``: a thread still waits in it, so the
+    librdkafka consumer must not be closed under it): its librdkafka consumer must be re-created."""
+
+    def __init__(self, why: str, wedged: bool = False):
+        super().__init__(why)
+        self.wedged = wedged
 
 
 class KafkaConsumer(Consumer):
@@ -341,7 +346,7 @@ class KafkaConsumer(Consumer):
         return bool(self._subscribed) and (err.fatal() or err.code() in (KafkaError._FATAL,
                                                                          KafkaError.FENCED_INSTANCE_ID))
 
-    def _renew(self, why: str) -> None:
+    def _renew(self, why: str, close: bool = True) -> None:
         """Re-create the fenced librdkafka consumer in place: same config (the same ``group.instance.id``, so the
         coordinator hands it the old member's place), same subscription; its partitions restart from the group's
         committed offsets, so what was read and not committed is read again (consumers de-duplicate by id).
@@ -352,14 +357,16 @@ class KafkaConsumer(Consumer):
         and gets a new member id, while a commit made before the rejoin is served still carries the old one
         (``OffsetCommit failed: Broker: Static consumer fenced by other consumer with same group.instance.id``).
         librdkafka makes that error fatal for the whole consumer; no other member has this id, so re-joining is
-        safe."""
+        safe. ``close``: False when a thread still waits in a call on the old consumer (closing it under that call
+        could crash the process); it is left to the coordinator, which fences it when the new member joins."""
         self.renewals += 1
         log.warning("kafka consumer %s: %s; re-creating it in place (group %s, the same group.instance.id); it "
                     "resumes from the group's committed offsets", self.name, why, self.group)
-        try:
-            _bounded(f"close-{self.group}", self._c.close, 10.0)
-        except (_StillRunning, KafkaException, RuntimeError):
-            pass  # a fenced client may refuse to leave; the new member takes its place either way
+        if close:
+            try:
+                _bounded(f"close-{self.group}", self._c.close, 10.0)
+            except (_StillRunning, KafkaException, RuntimeError):
+                pass  # a fenced client may refuse to leave; the new member takes its place either way
         self._on_revoke(None, [_tp(tp) for tp in self._assigned])
         self._c = _Consumer(self._conf)
         self.subscribe(self._subscribed)
@@ -482,7 +489,7 @@ class KafkaConsumer(Consumer):
             self._commit(offsets, timeout_s)
             return
         except _Fenced as fenced:
-            self._renew(str(fenced))
+            self._renew(str(fenced), close=not fenced.wedged)
         self._join(timeout_s)
         owned = {tp: off for tp, off in offsets.items() if tp in self._assigned}
         if not owned:
@@ -505,7 +512,7 @@ class KafkaConsumer(Consumer):
                 offsets=[_tp(tp, off) for tp, off in offsets.items()], asynchronous=False), timeout_s)
         except _StillRunning:
             if self._subscribed:
-                raise _Fenced(f"a commit did not complete in {timeout_s:.0f} s") from None
+                raise _Fenced(f"a commit did not complete in {timeout_s:.0f} s", wedged=True) from None
             raise FatalBusError(f"commit for group {self.group} did not complete in {timeout_s:.0f} s; this consumer "
                                 "is given up") from None
         except KafkaException as e:
