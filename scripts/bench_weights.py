@@ -7,28 +7,35 @@ init; ``--model DIR`` loads one from disk) trains with AdamW on GSM8K text
 weights are fp32 with a bf16 autocast forward, and what is published is the
 bf16 cast, as a mixed-precision trainer would publish. After each step the
 delta between consecutive bf16 versions is encoded and decoded
-(:mod:`weights.codec`), and the script reports per step:
+(:mod:`weights.codec`) twice, interleaved: in the previous format's coding
+(gaps + raw values for every tensor, ``coding=("gaps", "raw")``) and in the
+current one (each tensor's smallest coding). The script reports per step:
 
 - sparsity: fraction of bf16 elements bit-identical to the previous version;
-- delta bytes / full bf16 bytes;
-- delta bytes / the paper's format (uint64 index + 2-byte value per changed
-  element, uncompressed: 10 bytes per change; AstraFlow paper, "Weights");
+- delta bytes / full bf16 bytes, and bytes per changed element, of both;
+- an entropy estimate in bytes per change: the changed positions as
+  independent draws at the measured density, plus the empirical entropy of the
+  changes as integer differences of the bit patterns;
+- delta bytes / the paper's format (AstraFlow paper, "Weights"): a flat index
+  plus the raw 2-byte value per changed element, uncompressed, the index a
+  uint32 while the flat buffer has under 2^32 elements (6 bytes per change),
+  else a uint64 (10 bytes);
 - encode and decode GB/s (full bf16 bytes / seconds; decode includes the
   checksum verification), and memcpy GB/s of the same bytes, measured here.
 
 Timings are CPU seconds of this process (``time.process_time``), best of
 ``--repeats``, for encode, decode and memcpy alike, so that other processes on
-a shared machine do not skew the ratios.
+a shared machine do not skew the ratios; ``--show-repeats`` prints every one.
+As a publisher and a puller do, the encoder and decoder are given the base's
+checksum (computed outside the timings).
 
-Each step is a repetition: every step's figures are printed, and the summary gives each ratio's median over
-the steps with its spread (min, max). Ends with one JSON line for lr=1e-6 (medians over steps, and under
-``spread`` every step's sparsity, delta/paper format, encode/memcpy and decode/memcpy with their min and max).
-``--quick`` (3 steps per learning rate) takes ~1 minute on 2 cores.
+Ends with one JSON line for lr=1e-6 (medians over steps) about the current format.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -37,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from weights.codec import apply_delta, bits, encode_delta
+from weights.codec import apply_delta, bits, encode_delta, state_sha256
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.spread import spread  # noqa: E402
@@ -77,16 +84,34 @@ def bf16_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
 
 
-def memcpy_gbps(state: dict[str, torch.Tensor], nbytes: int, repeats: int = 3) -> float:
-    src = {k: bits(v) for k, v in state.items()}
-    dst = {k: np.empty_like(v) for k, v in src.items()}
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        for k, v in src.items():
-            np.copyto(dst[k], v)
-        best = min(best, time.process_time() - t0)
-    return nbytes / best / 1e9
+def memcpy_seconds(src: list[np.ndarray], dst: list[np.ndarray]) -> float:
+    """CPU seconds to copy every array of ``src`` into ``dst`` (preallocated and touched)."""
+    t0 = time.process_time()
+    for a, b in zip(src, dst):
+        np.copyto(b, a)
+    return time.process_time() - t0
+
+
+def entropy_bytes_per_change(prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:
+    """Bits per changed element / 8 of: positions as independent draws at the measured density, plus the
+    empirical entropy of the changes as integer differences of the bit patterns (all tensors pooled)."""
+    diffs, total = [], 0
+    for k in prev:
+        a, b = bits(prev[k]).astype(np.int64), bits(new[k]).astype(np.int64)
+        changed = a != b
+        diffs.append(b[changed] - a[changed])
+        total += a.size
+    d = np.concatenate(diffs)
+    if not d.size:
+        return 0.0
+    p = d.size / total
+    positions = (-(p * math.log2(p) + (1 - p) * math.log2(1 - p)) / p) if p < 1 else 0.0
+    counts = np.unique(d, return_counts=True)[1] / d.size
+    return (positions - float((counts * np.log2(counts)).sum())) / 8
+
+
+#: The formats compared: the previous format's coding for every tensor, and the current choice.
+FORMATS = {"previous": ("gaps", "raw"), "current": None}
 
 
 def run_lr(lr: float, steps: int, args) -> list[dict]:
@@ -96,6 +121,8 @@ def run_lr(lr: float, steps: int, args) -> list[dict]:
     data = batches(model.config.vocab_size, args.batch, args.seq)
     prev = bf16_state(model)
     full = sum(v.numel() * v.element_size() for v in prev.values())
+    elements = sum(v.numel() for v in prev.values())
+    paper_index = 4 if elements < 2**32 else 8  # the paper's index width; values are bf16
     rows = []
     for step in range(1, steps + 1):
         x = next(data)
@@ -105,22 +132,43 @@ def run_lr(lr: float, steps: int, args) -> list[dict]:
         loss.backward()
         opt.step()
         new = bf16_state(model)
-        # best of `repeats` for encode, decode and memcpy alike (the machine may be shared)
-        enc = dec = float("inf")
-        for _ in range(args.repeats):
-            t0 = time.process_time()
-            d = encode_delta(prev, new, base_version=step - 1, version=step, level=args.level)
-            enc = min(enc, time.process_time() - t0)
-            work = {k: v.clone() for k, v in prev.items()}
-            t0 = time.process_time()
-            apply_delta(d.data, work)
-            dec = min(dec, time.process_time() - t0)
-        mem = memcpy_gbps(new, full, args.repeats)
-        paper = d.changed * 10
-        rows.append(dict(lr=lr, step=step, loss=loss.item(), sparsity=d.sparsity, delta_bytes=len(d.data),
-                         full_bytes=full, over_full=len(d.data) / full, over_paper=len(d.data) / max(paper, 1),
-                         paper_bytes=paper, encode_gbps=full / enc / 1e9, decode_gbps=full / dec / 1e9,
-                         memcpy_gbps=mem))
+        base_sha = state_sha256(prev)
+        src = [bits(v) for v in new.values()]
+        dst = [np.empty_like(a) for a in src]
+        memcpy_seconds(src, dst)  # touch the destination
+        # best of `repeats` for encode, decode and memcpy alike (the machine may be shared); formats interleaved
+        best = {(f, k): float("inf") for f in FORMATS for k in ("enc", "dec")}
+        mem = float("inf")
+        for rep in range(args.repeats):
+            line = []
+            for fmt, coding in FORMATS.items():
+                t0 = time.process_time()
+                d = encode_delta(prev, new, base_version=step - 1, version=step, level=args.level,
+                                 base_sha256=base_sha, coding=coding)
+                enc = time.process_time() - t0
+                work = {k: v.clone() for k, v in prev.items()}
+                t0 = time.process_time()
+                apply_delta(d.data, work, base_sha256=base_sha)
+                dec = time.process_time() - t0
+                best[fmt, "enc"], best[fmt, "dec"] = min(best[fmt, "enc"], enc), min(best[fmt, "dec"], dec)
+                best[fmt, "bytes"], best[fmt, "codings"] = len(d.data), d.codings
+                line.append((fmt, enc, dec))
+            m = memcpy_seconds(src, dst)
+            mem = min(mem, m)
+            if args.show_repeats:
+                print(f"        lr {lr:.0e} step {step} repeat {rep + 1}: " + "; ".join(
+                    f"{fmt} encode {m / enc:.3f}x decode {m / dec:.3f}x memcpy" for fmt, enc, dec in line))
+        row = dict(lr=lr, step=step, loss=loss.item(), sparsity=d.sparsity, changed=d.changed, full_bytes=full,
+                   paper_bytes=d.changed * (paper_index + 2), paper_index_bytes=paper_index, memcpy_gbps=full / mem / 1e9,
+                   entropy_per_change=entropy_bytes_per_change(prev, new), codings=best["current", "codings"])
+        for fmt in FORMATS:
+            size = best[fmt, "bytes"]
+            row.update({f"{fmt}_bytes": size, f"{fmt}_over_full": size / full,
+                        f"{fmt}_over_paper": size / max(row["paper_bytes"], 1),
+                        f"{fmt}_per_change": size / max(d.changed, 1),
+                        f"{fmt}_encode_over_memcpy": mem / best[fmt, "enc"],
+                        f"{fmt}_decode_over_memcpy": mem / best[fmt, "dec"]})
+        rows.append(row)
         prev = new
     return rows
 
@@ -138,44 +186,50 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (more than 1 lets OpenMP workers spin and inflate CPU-time figures)")
     ap.add_argument("--repeats", type=int, default=5, help="timing repeats per step (the best is kept)")
+    ap.add_argument("--show-repeats", action="store_true", help="print every repeat's timings")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     steps = 3 if args.quick else 8
     summary = {}
-    print(f"{'lr':>7} {'step':>4} {'sparsity':>9} {'delta/full':>10} {'delta/paper':>11} "
-          f"{'enc GB/s':>8} {'dec GB/s':>8} {'memcpy GB/s':>11}")
+    keys = ("sparsity", "entropy_per_change", "paper_bytes") + tuple(
+        f"{fmt}_{k}" for fmt in FORMATS for k in ("bytes", "over_full", "over_paper", "per_change",
+                                                  "encode_over_memcpy", "decode_over_memcpy"))
+    head = (f"{'lr':>7} {'step':>4} {'sparsity':>9} {'entropy B/chg':>13} | {'format':>8} {'B/change':>8} "
+            f"{'delta/full':>10} {'delta/paper':>11} {'enc/memcpy':>10} {'dec/memcpy':>10}")
+    print(head)
     for lr in sorted(set(args.lrs) | {1e-6}):
         rows = run_lr(lr, steps, args)
         for r in rows:
-            print(f"{lr:7.0e} {r['step']:4d} {r['sparsity']:9.5f} {r['over_full']:10.5f} {r['over_paper']:11.4f} "
-                  f"{r['encode_gbps']:8.3f} {r['decode_gbps']:8.3f} {r['memcpy_gbps']:11.3f}")
-        med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
-        summary[lr] = {k: med(k) for k in ("sparsity", "over_full", "over_paper", "encode_gbps", "decode_gbps",
-                                           "memcpy_gbps", "delta_bytes", "paper_bytes")}
-        summary[lr]["full_bytes"] = rows[0]["full_bytes"]
-        summary[lr]["spread"] = {
-            "sparsity": spread([r["sparsity"] for r in rows], 6),
-            "delta_bytes_over_astraflow_format": spread([r["over_paper"] for r in rows]),
-            "encode_over_memcpy": spread([r["encode_gbps"] / r["memcpy_gbps"] for r in rows]),
-            "decode_over_memcpy": spread([r["decode_gbps"] / r["memcpy_gbps"] for r in rows])}
-    print("\nmedian over steps, by learning rate (enc/memcpy, dec/memcpy: median of the steps' ratios [min, max])")
-    print(f"{'lr':>7} {'sparsity':>9} {'delta/full':>10} {'delta/paper':>11} {'enc/memcpy':>20} {'dec/memcpy':>20}")
+            for fmt in FORMATS:
+                print(f"{lr:7.0e} {r['step']:4d} {r['sparsity']:9.5f} {r['entropy_per_change']:13.3f} | {fmt:>8} "
+                      f"{r[fmt + '_per_change']:8.3f} {r[fmt + '_over_full']:10.5f} {r[fmt + '_over_paper']:11.4f} "
+                      f"{r[fmt + '_encode_over_memcpy']:10.3f} {r[fmt + '_decode_over_memcpy']:10.3f}")
+            print(f"{'':>7} codings of the current format (tensors): {r['codings']}")
+        summary[lr] = {k: statistics.median(r[k] for r in rows) for k in keys}
+        summary[lr]["full_bytes"], summary[lr]["paper_index_bytes"] = rows[0]["full_bytes"], rows[0]["paper_index_bytes"]
+    index = "uint32" if summary[1e-6]["paper_index_bytes"] == 4 else "uint64"
+    print(f"\nmedian over steps, by learning rate (the paper's format: a {index} index + the bf16 value per change)")
+    print(head.replace(f"{'step':>4} ", ""))
     for lr, s in summary.items():
-        enc, dec = s["spread"]["encode_over_memcpy"], s["spread"]["decode_over_memcpy"]
-        cells = ["{median:.3f} [{min:.3f}, {max:.3f}]".format(**x) for x in (enc, dec)]
-        print(f"{lr:7.0e} {s['sparsity']:9.5f} {s['over_full']:10.5f} {s['over_paper']:11.4f} "
-              f"{cells[0]:>20} {cells[1]:>20}")
+        for fmt in FORMATS:
+            print(f"{lr:7.0e} {s['sparsity']:9.5f} {s['entropy_per_change']:13.3f} | {fmt:>8} {s[fmt + '_per_change']:8.3f} "
+                  f"{s[fmt + '_over_full']:10.5f} {s[fmt + '_over_paper']:11.4f} "
+                  f"{s[fmt + '_encode_over_memcpy']:10.3f} {s[fmt + '_decode_over_memcpy']:10.3f}")
     s = summary[1e-6]
     print(json.dumps({
         "metric": "weights_delta", "lr": 1e-6, "full_bytes": s["full_bytes"],
-        "sparsity": round(s["sparsity"], 6),
-        "delta_bytes_over_full": round(s["over_full"], 6),
-        "delta_bytes_over_astraflow_format": round(s["over_paper"], 4),
-        "encode_over_memcpy": s["spread"]["encode_over_memcpy"]["median"],
-        "decode_over_memcpy": s["spread"]["decode_over_memcpy"]["median"],
-        "value": s["delta_bytes"], "baseline": s["paper_bytes"],
-        "ratio": round(s["delta_bytes"] / max(s["paper_bytes"], 1), 4), "steps": steps,
-        "spread": s["spread"],
+        "sparsity": round(s["sparsity"], 6), "paper_index_bytes": s["paper_index_bytes"],
+        "delta_bytes_over_full": round(s["current_over_full"], 6),
+        "delta_bytes_over_astraflow_format": round(s["current_over_paper"], 4),
+        "bytes_per_change": round(s["current_per_change"], 4),
+        "entropy_bytes_per_change": round(s["entropy_per_change"], 4),
+        "previous_format_bytes_per_change": round(s["previous_per_change"], 4),
+        "encode_over_memcpy": round(s["current_encode_over_memcpy"], 4),
+        "decode_over_memcpy": round(s["current_decode_over_memcpy"], 4),
+        "previous_format_encode_over_memcpy": round(s["previous_encode_over_memcpy"], 4),
+        "previous_format_decode_over_memcpy": round(s["previous_decode_over_memcpy"], 4),
+        "value": s["current_bytes"], "baseline": s["paper_bytes"],
+        "ratio": round(s["current_bytes"] / max(s["paper_bytes"], 1), 4),
     }))
 
 

@@ -1,30 +1,49 @@
 """Bit-exact sparse weight deltas and full snapshots (DESIGN.md, "Weights").
 
 A **delta** from version ``b`` to version ``v`` holds, per tensor, the flat
-positions whose bits changed and the *new* values' raw bits. Tensors are
-compared bit-exactly through an unsigned-integer view of the same width
-(bf16/fp16 -> uint16, fp32 -> uint32, ...), so NaNs, signed zeros and
-denormals survive exactly.
+positions whose bits changed and the changed values. Tensors are compared
+bit-exactly through an unsigned-integer view of the same width (bf16/fp16 ->
+uint16, fp32 -> uint32, ...), so NaNs, signed zeros, denormals and infinities
+survive exactly.
 
 Object layout (``delta.zst``), all integers little-endian::
 
     prefix  : magic b"AFWD", format u16, flags u16, base_version i64,
-              version i64, header_len u32                (PREFIX_BYTES bytes)
-    header  : msgpack {"sha256", "base_sha256", "tensors": [{name, dtype,
-              shape, count, index_bytes, frame_bytes}, ...]}
-    frames  : one zstd frame per tensor with count > 0, in header order
+              version i64, header_len u32            (PREFIX_BYTES bytes)
+    header  : msgpack {"sha256", "base_sha256", "tensors": [entry, ...]}
+    check   : xxh3-64 of all the other bytes, u64     (format 2 only)
+    frames  : per tensor with count > 0, in header order, its zstd frames
 
-A frame decompresses to ``gaps || values``: ``gaps`` is ``count`` unsigned
-integers of ``index_bytes`` bytes (first flat index, then the differences
-between consecutive sorted indices), ``values`` is ``count`` raw elements of
-the tensor's width. Both arrays are stored *byte-plane split* (all low bytes,
-then the next byte, ...): gaps are small, so their high planes are almost all
-zero, and bf16 values share their exponent byte, which zstd then shrinks to a
-fraction of a byte per element. Frames carry zstd's content checksum, so a
-flipped bit in storage is detected before anything is applied.
+Format 2 (written) codes each tensor's positions and values independently, each
+the smaller of its candidates as measured by compressing them:
 
-The ``sha256`` in the header is :func:`state_sha256` of the *resulting* full
-parameters (sha256 over per-tensor xxh3-128 digests), the value
+- positions ``"gaps"``: ``count`` unsigned integers of ``index_bytes`` bytes
+  (the first flat index, then the differences of consecutive sorted indices);
+  ``"bitmap"``: one bit per element, little bit order (tried only when the raw
+  bitmap is smaller than the raw gaps, i.e. a dense tensor);
+- values ``"raw"``: the new bits; ``"xor"``: new XOR base; ``"diff"``: the
+  zigzag of ``new - base`` as same-width integers (wrapping), so that a change
+  of +-k units in the last place costs about log2(k)+1 bits. ``"xor"`` and
+  ``"diff"`` need the exact base: the header records the base's checksum and
+  :func:`apply_delta` refuses another base (:class:`BaseMismatch`).
+
+Entry: ``{name, dtype, shape, count, positions, index_bytes, values,
+frame_bytes: [positions frame, values frame]}``. Integer arrays are stored
+*byte-plane split* (all low bytes, then the next byte, ...): small gaps and
+small differences leave their high planes almost all zero, which zstd shrinks to
+nearly nothing, and the low planes go through its Huffman coder. Level 1 is the
+default: on bf16 deltas level 3 is no smaller and half as fast
+(``scripts/bench_weights.py``).
+
+Format 1 (read only, written until 2026-12): entry ``{name, dtype, shape,
+count, index_bytes, frame_bytes}``, one frame per tensor holding ``gaps ||
+raw values``, no header check.
+
+In format 2 the check covers every other byte of the object (format 1: each
+frame carries zstd's content checksum), so a flipped bit in storage is detected
+before anything is applied. The ``sha256``
+in the header is :func:`state_sha256` of the *resulting* full parameters
+(sha256 over per-tensor xxh3-128 digests), the value
 :class:`topics.schemas.WeightAnnouncement` carries.
 
 A **full snapshot** is a safetensors file whose metadata holds ``version`` and
@@ -45,15 +64,28 @@ import xxhash
 import zstandard
 
 MAGIC = b"AFWD"
-FORMAT = 1
+#: The delta format this code writes.
+FORMAT = 2
+#: The delta formats this code reads (format 1: objects written before format 2).
+READ_FORMATS = (1, 2)
 _PREFIX = struct.Struct("<4sHHqqI")
-#: Bytes to read from the start of a delta object to learn its base version and version.
+#: Bytes to read from the start of a delta object to learn its base version and version (any format).
 PREFIX_BYTES = _PREFIX.size
+_CHECK = struct.Struct("<Q")
 #: Hard cap on one decompressed frame, bytes (guards against a malformed object).
 MAX_FRAME_BYTES = 1 << 40
 
 #: Frames at least this large are compressed by zstd's worker threads; below it threads cost more than they save.
 MT_MIN_BYTES = 8 << 20
+
+#: Codings of a tensor's changed positions (format 2; module docstring).
+POSITIONS = ("gaps", "bitmap")
+#: Codings of a tensor's changed values (format 2; module docstring).
+VALUES = ("raw", "xor", "diff")
+#: Value codings that need the exact base to decode.
+BASE_RELATIVE = frozenset({"xor", "diff"})
+#: A tensor with more changes than this picks its value coding on its first this many.
+VALUE_SAMPLE = 1 << 12
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -70,6 +102,11 @@ class WeightFormatError(ValueError):
 
 class ChecksumMismatch(WeightFormatError):
     """The parameters after applying an object do not hash to the expected sha256; nothing was changed."""
+
+
+class BaseMismatch(WeightFormatError):
+    """The local weights are not the delta's base (their checksum differs from the base checksum the delta
+    records); nothing was changed. The object is sound: another path (a full snapshot) is needed."""
 
 
 def dtype_name(t: torch.Tensor) -> str:
@@ -128,14 +165,73 @@ def state_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _split_into(out: np.ndarray, arr: np.ndarray) -> None:
-    """Byte-plane split of a 1-D integer array (n,) of width w into ``out`` (w*n,) uint8, plane by plane."""
-    out.reshape(arr.itemsize, -1)[:] = arr.view(np.uint8).reshape(-1, arr.itemsize).T
+def _split(arr: np.ndarray) -> np.ndarray:
+    """Byte-plane split of a 1-D integer array (n,) of width w: (w*n,) uint8, all low bytes first."""
+    width = arr.itemsize
+    out = np.empty((width, arr.size), np.uint8)
+    as_bytes = arr.view(np.uint8).reshape(-1, width)
+    for k in range(width):  # one strided pass per plane: several times faster than a transposed copy
+        out[k] = as_bytes[:, k]
+    return out.reshape(-1)
 
 
 def _join(buf: np.ndarray, width: int, count: int) -> np.ndarray:
-    """Inverse of :func:`_split_into`: (width*count,) uint8 -> (count,) unsigned ints of ``width`` bytes."""
-    return np.ascontiguousarray(buf.reshape(width, count).T).view(_UINT[width]).reshape(-1)
+    """Inverse of :func:`_split`: (width*count,) uint8 -> a new (count,) array of unsigned ints of ``width`` bytes."""
+    out = np.empty((count, width), np.uint8)
+    planes = buf.reshape(width, count)
+    for k in range(width):
+        out[:, k] = planes[k]
+    return out.view(_UINT[width]).reshape(-1)
+
+
+def _zigzag(d: np.ndarray) -> np.ndarray:
+    """Zigzag of wrapping differences (n,) uint of width w, read as signed: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ..."""
+    neg = d >> (8 * d.itemsize - 1)
+    np.negative(neg, out=neg)  # all ones where d < 0
+    out = d << 1
+    out ^= neg
+    return out
+
+
+def _unzigzag(z: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_zigzag` (new array, same dtype)."""
+    neg = z & 1
+    np.negative(neg, out=neg)
+    out = z >> 1
+    out ^= neg
+    return out
+
+
+def _changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The elements whose bits differ between two same-dtype flat arrays (n,): ``(sorted indices int64,
+    their old bits, their new bits)``.
+
+    Compares 8-byte words first and looks inside the differing words only: at a few percent changed this
+    is faster than a per-element ``flatnonzero`` followed by two gathers over the whole arrays.
+    """
+    shift = (8 // old.itemsize).bit_length() - 1  # log2 of the elements per word
+    head = old.size >> shift << shift
+    old_words, new_words = old[:head].view(np.uint64), new[:head].view(np.uint64)
+    words = np.flatnonzero(old_words != new_words)
+    old_rows = np.take(old_words, words).view(old.dtype)
+    new_rows = np.take(new_words, words).view(old.dtype)
+    inner = np.flatnonzero(old_rows != new_rows)
+    idx = np.take(words, inner >> shift)
+    idx <<= shift
+    idx |= inner & ((1 << shift) - 1)
+    old_values, new_values = np.take(old_rows, inner), np.take(new_rows, inner)
+    if head < old.size:
+        tail = np.flatnonzero(old[head:] != new[head:]) + head
+        idx = np.concatenate([idx, tail])
+        old_values = np.concatenate([old_values, old[tail]])
+        new_values = np.concatenate([new_values, new[tail]])
+    return idx, old_values, new_values
+
+
+def _value_payloads(old: np.ndarray, new: np.ndarray, codings=VALUES) -> dict[str, np.ndarray]:
+    """The byte-plane split values of each coding in ``codings`` (module docstring), from old and new bits (n,)."""
+    make = {"raw": lambda: new, "xor": lambda: old ^ new, "diff": lambda: _zigzag(new - old)}
+    return {c: _split(make[c]()) for c in codings}
 
 
 @dataclass
@@ -143,7 +239,8 @@ class Delta:
     """An encoded delta and what was measured while making it.
 
     ``data`` is the whole ``delta.zst`` object (bytes); ``changed`` and
-    ``total`` count elements; ``sparsity`` = 1 - changed/total.
+    ``total`` count elements; ``sparsity`` = 1 - changed/total; ``codings``
+    counts the tensors per ``"positions+values"`` coding, e.g. ``{"gaps+diff": 30}``.
     """
 
     data: bytes
@@ -152,83 +249,135 @@ class Delta:
     sha256: str
     changed: int
     total: int
+    codings: dict[str, int] = field(default_factory=dict)
 
     @property
     def sparsity(self) -> float:
         return 1.0 - self.changed / self.total if self.total else 1.0
 
 
+class _Frames:
+    """zstd compression of one delta's frames: one-shot below ``MT_MIN_BYTES``, zstd's worker threads above."""
+
+    def __init__(self, level: int, threads: int):
+        # the object's own check covers the frames: zstd's content checksum would only cost time
+        self._one = zstandard.ZstdCompressor(level=level, write_checksum=False)
+        self._mt = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=False)
+
+    def compress(self, payload: np.ndarray) -> bytes:
+        return (self._mt if payload.size >= MT_MIN_BYTES else self._one).compress(payload)
+
+    def smallest(self, candidates: dict[str, np.ndarray]) -> tuple[str, bytes]:
+        """The candidate (name -> uint8 payload) whose frame is smallest, and that frame."""
+        frames = {name: self.compress(p) for name, p in candidates.items()}
+        best = min(frames, key=lambda name: len(frames[name]))
+        return best, frames[best]
+
+    def values(self, old: np.ndarray, new: np.ndarray, only: str | None = None) -> tuple[str, bytes]:
+        """The smallest value coding (or ``only``) of a tensor's changed elements (old and new bits, (n,)),
+        and its frame.
+
+        Beyond :data:`VALUE_SAMPLE` changes the codings are compared on the first :data:`VALUE_SAMPLE`
+        (a tensor's changes are alike along it), and only the smallest is compressed whole.
+        """
+        if only is not None:
+            return only, self.compress(_value_payloads(old, new, (only,))[only])
+        if old.size <= VALUE_SAMPLE:
+            return self.smallest(_value_payloads(old, new))
+        best, _ = self.smallest(_value_payloads(old[:VALUE_SAMPLE], new[:VALUE_SAMPLE]))
+        return best, self.compress(_value_payloads(old, new, (best,))[best])
+
+
 def encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
                  base_version: int, version: int, level: int = 1, threads: int = -1,
-                 base_sha256: str | None = None, max_bytes: int | None = None) -> Delta | None:
-    """Encode the bit-exact sparse delta turning ``old`` into ``new``.
+                 base_sha256: str | None = None, max_bytes: int | None = None,
+                 coding: tuple[str, str] | None = None) -> Delta | None:
+    """Encode the bit-exact sparse delta turning ``old`` into ``new`` (format :data:`FORMAT`).
 
-    Works tensor by tensor: peak extra memory is about 20 bytes per element of
-    the largest tensor (mask, indices, gaps) plus the compressed output.
+    Works tensor by tensor: peak extra memory is a byte per 8-byte word of the
+    largest tensor, about 40 bytes per changed element of it (indices, gaps,
+    values and their codings), and the compressed output. Each tensor's
+    positions and values take their smallest coding (module docstring).
 
     Args:
         old, new: the same names, shapes and dtypes; contiguous CPU tensors.
         base_version, version: the versions of ``old`` and ``new`` (``base_version < version``).
-        level: zstd level (1-22). Level 1 is the default: on bf16 deltas it
-            comes within about 4% of level 3's size at about twice the speed.
+        level: zstd level (1-22); 1 by measurement (module docstring).
             ``threads``: zstd worker threads for frames of at
             least ``MT_MIN_BYTES`` (-1: one per core).
-        base_sha256: :func:`state_sha256` of ``old`` if known; recorded so that a
-            reader can refuse to apply the delta to the wrong base.
+        base_sha256: :func:`state_sha256` of ``old`` if known (the publisher has it); else it is
+            computed here. Recorded so that a reader refuses to apply the delta to another base.
         max_bytes: give up and return ``None`` once the output exceeds this many
             bytes (the caller then prefers a full snapshot).
+        coding: ``(positions, values)`` from :data:`POSITIONS` x :data:`VALUES` to use for every
+            tensor instead of the smallest (tests; the benchmark's baseline is ``("gaps", "raw")``).
 
     Returns:
         The :class:`Delta`, or ``None`` when ``max_bytes`` was exceeded.
 
     Raises:
-        WeightFormatError: names, shapes or dtypes differ, or versions are not increasing.
+        WeightFormatError: names, shapes or dtypes differ, versions are not increasing, or ``coding`` is unknown.
     """
     if set(old) != set(new):
         raise WeightFormatError(f"tensor names differ: only old {sorted(set(old) - set(new))[:5]}, "
                                 f"only new {sorted(set(new) - set(old))[:5]}")
     if base_version >= version:
         raise WeightFormatError(f"a delta needs base_version < version, got {base_version} -> {version}")
-    comp = zstandard.ZstdCompressor(level=level, write_checksum=True)
-    comp_mt = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
+    if coding is not None and (coding[0] not in POSITIONS or coding[1] not in VALUES):
+        raise WeightFormatError(f"coding {coding!r} is not one of {POSITIONS} x {VALUES}")
+    frames_of = _Frames(level, threads)
     h = StateHasher()
-    entries, frames, size, changed, total = [], [], 0, 0, 0
-    mask = np.empty(max((t.numel() for t in new.values()), default=0), dtype=bool)
+    base_h = StateHasher() if base_sha256 is None else None
+    entries, frames, size, changed, total, codings = [], [], 0, 0, 0, {}
     for name in sorted(new):
         a, b = old[name], new[name]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise WeightFormatError(f"tensor {name!r}: old {tuple(a.shape)} {a.dtype} vs new {tuple(b.shape)} {b.dtype}")
         ab, bb = bits(a), bits(b)
         h.update(name, b, bb)
-        idx = np.flatnonzero(np.not_equal(ab, bb, out=mask[:bb.size]))
-        entry = {"name": name, "dtype": dtype_name(b), "shape": list(b.shape), "count": int(idx.size),
-                 "index_bytes": 0, "frame_bytes": 0}
+        if base_h is not None:
+            base_h.update(name, a, ab)
+        idx, base_values, new_values = _changes(ab, bb)
+        entry = {"name": name, "dtype": dtype_name(b), "shape": list(b.shape), "count": int(idx.size)}
         if idx.size:
             gaps = np.empty_like(idx)
             gaps[0] = idx[0]
             np.subtract(idx[1:], idx[:-1], out=gaps[1:])
             width = next(w for w in (1, 2, 4, 8) if int(gaps.max()) < (1 << (8 * w)))
-            payload = np.empty(idx.size * (width + bb.itemsize), np.uint8)
-            _split_into(payload[:idx.size * width], gaps.astype(_UINT[width]))
-            _split_into(payload[idx.size * width:], bb[idx])
-            frame = (comp_mt if payload.size >= MT_MIN_BYTES else comp).compress(payload)
-            frames.append(frame)
-            entry.update(index_bytes=width, frame_bytes=len(frame))
-            size += len(frame)
+            positions = {}
+            if coding is None or coding[0] == "gaps":
+                positions["gaps"] = _split(gaps.astype(_UINT[width]))
+            # the bitmap is tried where it is smaller than the gaps before compression (a dense tensor)
+            if (coding is None and bb.size < 8 * positions["gaps"].size) or (coding and coding[0] == "bitmap"):
+                changed_mask = np.zeros(bb.size, bool)
+                changed_mask[idx] = True
+                positions["bitmap"] = np.packbits(changed_mask, bitorder="little")
+            pos_coding, pos_frame = frames_of.smallest(positions)
+            val_coding, val_frame = frames_of.values(base_values, new_values, None if coding is None else coding[1])
+            frames += [pos_frame, val_frame]
+            entry.update(positions=pos_coding, index_bytes=width, values=val_coding,
+                         frame_bytes=[len(pos_frame), len(val_frame)])
+            codings[f"{pos_coding}+{val_coding}"] = codings.get(f"{pos_coding}+{val_coding}", 0) + 1
+            size += len(pos_frame) + len(val_frame)
             if max_bytes is not None and size > max_bytes:
                 return None
         entries.append(entry)
         changed += int(idx.size)
         total += bb.size
     sha = h.hexdigest()
-    header = msgpack.packb({"sha256": sha, "base_sha256": base_sha256, "tensors": entries}, use_bin_type=True)
+    header = msgpack.packb({"sha256": sha, "base_sha256": base_sha256 or base_h.hexdigest(), "tensors": entries},
+                           use_bin_type=True)
     prefix = _PREFIX.pack(MAGIC, FORMAT, 0, base_version, version, len(header))
-    return Delta(b"".join([prefix, header, *frames]), base_version, version, sha, changed, total)
+    check = xxhash.xxh3_64()
+    for part in (prefix, header, *frames):
+        check.update(part)
+    data = b"".join([prefix, header, _CHECK.pack(check.intdigest()), *frames])
+    return Delta(data, base_version, version, sha, changed, total, codings)
 
 
 @dataclass
 class DeltaHeader:
-    """The parsed prefix and header of a delta object."""
+    """The parsed prefix and header of a delta object (``format``: 1 or 2; ``tensors``: the header's entries)."""
 
     base_version: int
     version: int
@@ -236,6 +385,12 @@ class DeltaHeader:
     base_sha256: str | None
     tensors: list[dict]
     frames_offset: int = field(repr=False, default=0)
+    format: int = FORMAT
+
+    @property
+    def base_relative(self) -> bool:
+        """Whether any tensor's values are coded relative to the base (decoding needs the exact base)."""
+        return any(t.get("values") in BASE_RELATIVE for t in self.tensors)
 
 
 def read_prefix(data: bytes) -> tuple[int, int, int]:
@@ -244,32 +399,59 @@ def read_prefix(data: bytes) -> tuple[int, int, int]:
     Raises:
         WeightFormatError: too short, wrong magic, or an unknown format number.
     """
+    return _read_prefix(data)[1:]
+
+
+def _read_prefix(data: bytes) -> tuple[int, int, int, int]:
+    """``(format, base_version, version, header_len)``; errors as :func:`read_prefix`."""
     if len(data) < PREFIX_BYTES:
         raise WeightFormatError(f"delta object is {len(data)} bytes, shorter than its {PREFIX_BYTES}-byte prefix")
     magic, fmt, _flags, base, version, hlen = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise WeightFormatError(f"not a delta object (magic {magic!r}, expected {MAGIC!r})")
-    if fmt != FORMAT:
-        raise WeightFormatError(f"delta format {fmt} is not supported (this reader knows {FORMAT})")
-    return base, version, hlen
+    if fmt not in READ_FORMATS:
+        raise WeightFormatError(f"delta format {fmt} is not supported (this reader knows {READ_FORMATS})")
+    return fmt, base, version, hlen
+
+
+def _check_entry(t: dict, fmt: int) -> int:
+    """Validate one header entry; returns the bytes of its frames."""
+    if not isinstance(t["name"], str) or t["dtype"] not in _DTYPES or t["count"] < 0:
+        raise ValueError(f"bad entry for {t.get('name')!r}")
+    if not t["count"]:
+        return 0
+    if t["index_bytes"] not in _UINT:
+        raise ValueError(f"bad index_bytes for {t['name']!r}")
+    if fmt == 1:
+        return int(t["frame_bytes"])
+    if t["positions"] not in POSITIONS or t["values"] not in VALUES or len(t["frame_bytes"]) != 2:
+        raise ValueError(f"bad coding for {t['name']!r}")
+    return sum(int(n) for n in t["frame_bytes"])
 
 
 def read_header(data: bytes) -> DeltaHeader:
-    """Parse a delta object's prefix and msgpack header.
+    """Parse a whole delta object's prefix and msgpack header (either format in :data:`READ_FORMATS`).
 
     Raises:
-        WeightFormatError: the prefix or header is malformed, or frame sizes do not add up to the object size.
+        WeightFormatError: the prefix or header is malformed, the object is corrupt (format 2: its xxh3
+            check), or frame sizes do not add up to the object size.
     """
-    base, version, hlen = read_prefix(data)
+    fmt, base, version, hlen = _read_prefix(data)
     end = PREFIX_BYTES + hlen
+    header = bytes(data[PREFIX_BYTES:end])
+    if fmt >= 2:
+        view = memoryview(data)
+        check = xxhash.xxh3_64(view[:end])
+        check.update(view[end + _CHECK.size:])
+        if len(data) < end + _CHECK.size or _CHECK.unpack_from(data, end)[0] != check.intdigest():
+            raise WeightFormatError(f"delta {base}->{version}: object is corrupt or truncated (its xxh3 check "
+                                    f"does not match)")
+        end += _CHECK.size
     try:
-        head = msgpack.unpackb(bytes(data[PREFIX_BYTES:end]), raw=False)
+        head = msgpack.unpackb(header, raw=False)
         tensors = head["tensors"]
-        need = sum(int(t["frame_bytes"]) for t in tensors)
-        for t in tensors:
-            if t["dtype"] not in _DTYPES or t["count"] < 0 or (t["count"] and t["index_bytes"] not in _UINT):
-                raise ValueError(f"bad entry for {t.get('name')!r}")
-        hdr = DeltaHeader(base, version, head["sha256"], head.get("base_sha256"), tensors, end)
+        need = sum(_check_entry(t, fmt) for t in tensors)
+        hdr = DeltaHeader(base, version, head["sha256"], head.get("base_sha256"), tensors, end, fmt)
     except Exception as e:  # msgpack and KeyError/TypeError on garbage
         raise WeightFormatError(f"delta {base}->{version}: malformed header ({type(e).__name__}: {e})") from None
     if len(data) != end + need:
@@ -277,9 +459,54 @@ def read_header(data: bytes) -> DeltaHeader:
     return hdr
 
 
+def _decompress(dec: zstandard.ZstdDecompressor, frame, expect: int, what: str) -> np.ndarray:
+    """One zstd frame (format 1: its content checksum verified) as a uint8 array of exactly ``expect`` bytes."""
+    try:
+        raw = np.frombuffer(dec.decompress(frame, max_output_size=MAX_FRAME_BYTES), np.uint8)
+    except zstandard.ZstdError as e:
+        raise WeightFormatError(f"{what}: corrupt zstd frame ({e})") from None
+    if raw.size != expect:
+        raise WeightFormatError(f"{what}: frame holds {raw.size} bytes, expected {expect}")
+    return raw
+
+
+def _decode_tensor(dec: zstandard.ZstdDecompressor, data, pos: int, t: dict, flat: np.ndarray, fmt: int,
+                   what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decode one tensor's frames at ``data[pos:]``: ``(flat indices int64, their base bits, their new bits)``."""
+    n, iw, vw = t["count"], t["index_bytes"], flat.itemsize
+    if fmt == 1:
+        raw = _decompress(dec, data[pos:pos + t["frame_bytes"]], n * (iw + vw), what)
+        gaps, values, coding = raw[:n * iw], _join(raw[n * iw:], vw, n), "raw"
+    else:
+        pos_bytes, val_bytes = t["frame_bytes"]
+        if t["positions"] == "gaps":
+            gaps = _decompress(dec, data[pos:pos + pos_bytes], n * iw, what)
+        else:
+            bitmap = _decompress(dec, data[pos:pos + pos_bytes], (flat.size + 7) // 8, what)
+            gaps = None
+            idx = np.flatnonzero(np.unpackbits(bitmap, count=flat.size, bitorder="little"))
+            if idx.size != n:
+                raise WeightFormatError(f"{what}: bitmap marks {idx.size} elements, header says {n}")
+        values = _join(_decompress(dec, data[pos + pos_bytes:pos + pos_bytes + val_bytes], n * vw, what), vw, n)
+        coding = t["values"]
+    if gaps is not None:
+        idx = _join(gaps, iw, n).astype(np.int64)
+        np.cumsum(idx, out=idx)
+        # gaps are unsigned, so the indices rise; only 8-byte gaps can wrap past int64
+        if idx[-1] >= flat.size or (iw == 8 and (idx.min() < 0 or np.any(idx[1:] < idx[:-1]))):
+            raise WeightFormatError(f"{what}: index out of range ({flat.size} elements)")
+    base = np.take(flat, idx)
+    if coding == "xor":
+        values = values ^ base
+    elif coding == "diff":
+        values = _unzigzag(values)
+        values += base
+    return idx, base, values
+
+
 def apply_delta(data: bytes, tensors: MutableMapping[str, torch.Tensor], *,
                 expect_sha256: str | None = None, base_sha256: str | None = None) -> DeltaHeader:
-    """Apply a delta object to ``tensors`` in place, then verify the result.
+    """Apply a delta object (either format in :data:`READ_FORMATS`) to ``tensors`` in place, then verify the result.
 
     The changed elements' old bits are kept as an undo log (same size as the
     delta's values), so on any failure every tensor is restored bit-exactly:
@@ -291,14 +518,16 @@ def apply_delta(data: bytes, tensors: MutableMapping[str, torch.Tensor], *,
         expect_sha256: the sha256 the result must have (e.g. from the
             announcement); the header's own value is always checked too.
         base_sha256: :func:`state_sha256` of ``tensors`` if known; checked
-            against the header's recorded base before anything is touched.
+            against the header's recorded base before anything is touched. Without it a wrong
+            base is caught by the result's checksum (and the tensors restored).
 
     Returns:
         The delta's header.
 
     Raises:
+        BaseMismatch: ``base_sha256`` is not the base the delta was made from; ``tensors`` are unchanged.
         WeightFormatError: malformed/corrupt object, or it does not fit ``tensors``
-            (names, shapes, dtypes, base checksum). ``tensors`` are unchanged.
+            (names, shapes, dtypes). ``tensors`` are unchanged.
         ChecksumMismatch: the result's sha256 is wrong; ``tensors`` were restored.
     """
     hdr = read_header(data)
@@ -306,7 +535,8 @@ def apply_delta(data: bytes, tensors: MutableMapping[str, torch.Tensor], *,
     if expect_sha256 is not None and expect_sha256 != hdr.sha256:
         raise ChecksumMismatch(f"{label}: header sha256 {hdr.sha256[:12]} != expected {expect_sha256[:12]}")
     if base_sha256 and hdr.base_sha256 and base_sha256 != hdr.base_sha256:
-        raise WeightFormatError(f"{label}: local base sha256 {base_sha256[:12]} != the delta's base {hdr.base_sha256[:12]}")
+        raise BaseMismatch(f"{label}: the local weights (sha256 {base_sha256[:12]}) are not version {hdr.base_version} "
+                           f"(sha256 {hdr.base_sha256[:12]}), the base this delta was made from; not applied")
     names = {t["name"] for t in hdr.tensors}
     if names != set(tensors):
         raise WeightFormatError(f"{label}: tensor names differ from the local ones "
@@ -324,20 +554,10 @@ def apply_delta(data: bytes, tensors: MutableMapping[str, torch.Tensor], *,
             if not t["count"]:
                 continue
             flat = bits(tensors[t["name"]])
-            n, iw, vw = t["count"], t["index_bytes"], flat.itemsize
-            frame = data[pos:pos + t["frame_bytes"]]
-            pos += t["frame_bytes"]
-            try:
-                raw = np.frombuffer(dec.decompress(frame, max_output_size=MAX_FRAME_BYTES), np.uint8)
-            except zstandard.ZstdError as e:
-                raise WeightFormatError(f"{label}: tensor {t['name']!r}: corrupt zstd frame ({e})") from None
-            if raw.size != n * (iw + vw):
-                raise WeightFormatError(f"{label}: tensor {t['name']!r}: frame holds {raw.size} bytes, expected {n * (iw + vw)}")
-            idx = np.cumsum(_join(raw[:n * iw], iw, n), dtype=np.int64)
-            if idx.min() < 0 or idx.max() >= flat.size:
-                raise WeightFormatError(f"{label}: tensor {t['name']!r}: index out of range ({flat.size} elements)")
-            undo.append((flat, idx, flat[idx]))
-            flat[idx] = _join(raw[n * iw:], vw, n)
+            idx, old, values = _decode_tensor(dec, data, pos, t, flat, hdr.format, f"{label}: tensor {t['name']!r}")
+            pos += t["frame_bytes"] if hdr.format == 1 else sum(t["frame_bytes"])
+            undo.append((flat, idx, old))
+            flat[idx] = values
         got = state_sha256(tensors)
         if got != hdr.sha256:
             raise ChecksumMismatch(f"{label}: result sha256 {got[:12]} != {hdr.sha256[:12]} (local base is not version "

@@ -1,14 +1,26 @@
-"""The delta codec round-trips bit-exactly, and rejects corrupt objects without touching the weights."""
+"""The delta codec round-trips bit-exactly through every coding, reads the previous format, and rejects corrupt
+objects and wrong bases without touching the weights."""
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weights.codec import (ChecksumMismatch, WeightFormatError, apply_delta, bits, encode_delta, load_full,
-                           read_header, save_full, state_sha256)
+from topics.names import TopicNames
+from weights.codec import (POSITIONS, VALUES, BaseMismatch, ChecksumMismatch, WeightFormatError, apply_delta, bits,
+                           encode_delta, load_full, read_header, save_full, state_sha256)
+from weights.puller import Puller
+from weights.store import WeightStore
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+CODINGS = [(p, v) for p in POSITIONS for v in VALUES]
+#: A store written by the format-1 codec (2026-12-03): policy "policy", a full snapshot at version 1, deltas at 2 and 3.
+FORMAT1_STORE = Path(__file__).parent / "data" / "store_format1"
+FORMAT1_SHA256 = {2: "ea5f3405263b0ab9b769f133671c8043c983bfd4ea95c08afda18ed46a7c0621",
+                  3: "e1630c7d790a293c919bc79aa10e8bc2a03e43e3d81d8e190bcacdbae3e088aa"}
 
 
 def random_bits(shape, dtype, rng) -> torch.Tensor:
@@ -18,6 +30,16 @@ def random_bits(shape, dtype, rng) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype)
     bits(t)[:] = raw
     return t
+
+
+def special_values(dtype) -> np.ndarray:
+    """Bit patterns of NaNs (quiet, signalling, negative), +-0, +-inf, the smallest and largest denormals of ``dtype``."""
+    width = torch.empty((), dtype=dtype).element_size() * 8
+    mant = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]
+    sign, exp_all = 1 << (width - 1), ((1 << (width - 1 - mant)) - 1) << mant
+    pats = [0, sign, exp_all, sign | exp_all, exp_all | 1, exp_all | (1 << (mant - 1)), sign | exp_all | 3,
+            1, sign | 1, (1 << mant) - 1, sign | ((1 << mant) - 1)]
+    return np.array(pats, dtype=f"uint{width}")
 
 
 def clone(state):
@@ -30,29 +52,65 @@ def assert_bit_equal(a, b):
         assert np.array_equal(bits(a[k]), bits(b[k])), k
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     shapes=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=3), min_size=1, max_size=4),
     dtype=st.sampled_from(DTYPES),
     fraction=st.one_of(st.just(0.0), st.just(1.0), st.floats(0.0, 1.0)),
+    coding=st.sampled_from([None, *CODINGS]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_round_trip_bit_exact(shapes, dtype, fraction, seed):
+def test_round_trip_bit_exact(shapes, dtype, fraction, coding, seed):
+    """Random tensors seeded with NaNs, signed zeros, denormals and infinities; changes are small steps in
+    the last place (as training makes them), random bit patterns, and special values, in both directions."""
     rng = np.random.default_rng(seed)
+    specials = special_values(dtype)
     old = {f"t{i}": random_bits(tuple(s), dtype, rng) for i, s in enumerate(shapes)}
+    for t in old.values():
+        flat = bits(t)
+        seeded = rng.random(flat.size) < 0.2
+        flat[seeded] = rng.choice(specials, size=int(seeded.sum()))
     new = clone(old)
     for t in new.values():
         flat = bits(t)
         mask = rng.random(flat.size) < fraction
-        flat[mask] = bits(random_bits((int(mask.sum()),), dtype, rng))
-    delta = encode_delta(old, new, base_version=3, version=7, level=1)
+        kind = rng.integers(0, 3, size=flat.size)
+        steps = rng.integers(-3, 4, size=flat.size).astype(np.int64)
+        steps[steps == 0] = 1
+        stepped = (flat.astype(np.int64) + steps).astype(flat.dtype)  # wraps at the width, like the codec
+        randomised = bits(random_bits((flat.size,), dtype, rng))
+        special = rng.choice(specials, size=flat.size)
+        flat[mask] = np.choose(kind, [stepped, randomised, special])[mask]
+    delta = encode_delta(old, new, base_version=3, version=7, level=1, coding=coding)
     expected_changed = sum(int(np.count_nonzero(bits(old[k]) != bits(new[k]))) for k in old)
     assert delta.changed == expected_changed
     assert delta.sha256 == state_sha256(new)
+    hdr = read_header(delta.data)
+    assert hdr.format == 2 and hdr.base_sha256 == state_sha256(old)
+    if coding is not None:
+        assert {(t["positions"], t["values"]) for t in hdr.tensors if t["count"]} <= {coding}
     got = clone(old)
-    hdr = apply_delta(delta.data, got, expect_sha256=state_sha256(new))
+    hdr = apply_delta(delta.data, got, expect_sha256=state_sha256(new), base_sha256=state_sha256(old))
     assert (hdr.base_version, hdr.version) == (3, 7)
     assert_bit_equal(got, new)
+
+
+def test_small_steps_pick_base_relative_values_and_dense_tensors_a_bitmap():
+    """Measured choice: +-1 ulp steps cost less as differences than as raw bits, and a tensor where most
+    elements changed codes its positions as a bitmap; the chosen delta is never larger than gaps + raw."""
+    rng = np.random.default_rng(5)
+    old = {"sparse": torch.randn(20000, dtype=torch.float32).to(torch.bfloat16),
+           "dense": torch.randn(4000, dtype=torch.float32).to(torch.bfloat16)}
+    new = clone(old)
+    for name, fraction in (("sparse", 0.03), ("dense", 0.6)):
+        flat = bits(new[name])
+        mask = rng.random(flat.size) < fraction
+        flat[mask] += rng.choice(np.array([1, 0xFFFF], np.uint16), size=int(mask.sum()))  # +-1 in the last place
+    chosen = encode_delta(old, new, base_version=0, version=1)
+    codings = {t["name"]: (t["positions"], t["values"]) for t in read_header(chosen.data).tensors}
+    assert codings == {"sparse": ("gaps", "diff"), "dense": ("bitmap", "diff")}
+    for coding in CODINGS:
+        assert len(chosen.data) <= len(encode_delta(old, new, base_version=0, version=1, coding=coding).data)
 
 
 def test_deltas_of_real_optimizer_steps_chain_bit_exact():
@@ -107,6 +165,36 @@ def test_corrupt_delta_is_rejected_and_weights_untouched(pair, damage):
     assert_bit_equal(local, old)
 
 
+@pytest.mark.parametrize("coding", CODINGS)
+def test_every_flipped_bit_is_detected(coding):
+    """One bit flipped in any byte of the object (prefix, header, check, any frame) is refused, weights untouched."""
+    rng = np.random.default_rng(2)
+    old = {"a": random_bits((40, 8), torch.bfloat16, rng), "b": random_bits((50,), torch.float32, rng),
+           "c": random_bits((30,), torch.float16, rng)}
+    new = clone(old)
+    for t in new.values():
+        bits(t)[::3] += 1
+    data = encode_delta(old, new, base_version=4, version=5, coding=coding).data
+    for i in range(len(data)):
+        damaged = bytearray(data)
+        damaged[i] ^= 1 << (i % 8)
+        local = clone(old)
+        with pytest.raises(WeightFormatError):
+            apply_delta(bytes(damaged), local)
+        assert_bit_equal(local, old)
+
+
+def test_wrong_base_is_refused_naming_the_versions(pair):
+    old, new, d = pair
+    assert read_header(d.data).base_relative
+    other = clone(old)
+    bits(other["a"])[5] ^= 2  # a base the delta was not made from
+    before = clone(other)
+    with pytest.raises(BaseMismatch, match=r"delta 0->1: the local weights \(sha256 \w+\) are not version 0 .*not applied"):
+        apply_delta(d.data, other, base_sha256=state_sha256(other))
+    assert_bit_equal(other, before)
+
+
 def test_wrong_base_is_rolled_back(pair):
     old, new, d = pair
     other = clone(old)
@@ -148,3 +236,33 @@ def test_full_snapshot_round_trip_and_corruption(tmp_path, pair):
     with pytest.raises(ChecksumMismatch, match="not loaded"):
         load_full(path, into)
     assert_bit_equal(into, old)
+
+
+def test_store_written_by_format1_is_read(tmp_path):
+    """A store written by the format-1 codec: a fresh puller takes the full snapshot and both deltas."""
+    for v in (2, 3):
+        assert read_header((FORMAT1_STORE / "run" / "policy" / f"{v:08d}" / "delta.zst").read_bytes()).format == 1
+    shutil.copytree(FORMAT1_STORE, tmp_path / "store")
+    puller = Puller(WeightStore(f"file://{tmp_path / 'store'}", "run"), None, TopicNames("run"), "policy")
+    assert [(s.version, s.kind) for s in puller.plan(3)] == [(1, "full"), (2, "delta"), (3, "delta")]
+    assert puller.sync(3, expect_sha256=FORMAT1_SHA256[3])
+    assert (puller.version, state_sha256(puller.state)) == (3, FORMAT1_SHA256[3])
+
+
+def test_puller_falls_back_when_its_weights_are_not_the_deltas_base(tmp_path, caplog):
+    """Local weights that claim version 2 but are not the deltas' version 2: the delta is refused before it is
+    applied (its base checksum names the versions), excluded without a refetch, and a full snapshot is taken."""
+    shutil.copytree(FORMAT1_STORE, tmp_path / "store")
+    store = WeightStore(f"file://{tmp_path / 'store'}", "run")
+    right = Puller(store, None, TopicNames("run"), "policy")
+    right.sync(2)
+    wrong = clone(right.state)
+    right.sync(3)
+    save_full(right.state, tmp_path / "store" / store.key("policy", 3, "full"), version=3)
+    bits(wrong["0.weight"])[7] ^= 1
+    puller = Puller(store, None, TopicNames("run"), "policy", state=wrong, version=2)
+    assert [s.kind for s in puller.plan(3)] == ["delta"]  # the cheaper path
+    assert puller.sync(3)
+    assert (puller.version, state_sha256(puller.state)) == (3, FORMAT1_SHA256[3])
+    refused = [r.getMessage() for r in caplog.records if "not version 2" in r.getMessage()]
+    assert len(refused) == 1 and "delta 2->3" in refused[0] and "falling back" in refused[0]

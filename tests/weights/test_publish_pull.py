@@ -149,10 +149,11 @@ def test_dense_float32_updates_back_off_from_delta_attempts(run, tmp_path):
     only, every version is a full snapshot, and a puller still lands on the newest one bit-exactly."""
     bus, names = run
     store = WeightStore(WeightStore.default_uri(tmp_path), names.run)
-    state = {"w": torch.randn(4096, generator=torch.Generator().manual_seed(0))}
+    gen = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(4096, generator=gen)}
     pub = Publisher(store, bus, names, "solver")
     for v in range(10):
-        state["w"] += 0.5
+        state["w"] += torch.randn(4096, generator=gen)  # random steps: a constant one codes as a small delta
         pub.publish(state, v)
         assert pub.wait(60)
     pub.close()
