@@ -36,7 +36,8 @@ from topics.bus import Bus
 from topics.follow import Follower
 from topics.names import TopicNames
 from topics.schemas import WeightAnnouncement
-from weights.codec import PREFIX_BYTES, WeightFormatError, apply_delta, load_full, read_prefix
+from weights.codec import (PREFIX_BYTES, BaseMismatch, WeightFormatError, apply_delta, load_full, read_prefix,
+                           state_sha256)
 from weights.store import ObjectMissing, StoreError, StoredObject, WeightStore
 
 log = logging.getLogger(__name__)
@@ -258,6 +259,8 @@ class Puller:
         uri = self.store.uri_of(step.obj.key)
         if step.kind == "delta":
             data = self._fetch(step.obj.key)
+            if self.sha256 is None:  # given without its checksum: a delta checks its base against it
+                self.sha256 = state_sha256(self.state)
             hdr = apply_delta(data, self.state, expect_sha256=expect_sha, base_sha256=self.sha256)
             self.version, self.sha256 = step.version, hdr.sha256
             if self.changed is not None:
@@ -312,6 +315,9 @@ class Puller:
                 raise WeightsUnavailable(f"policy {self.policy!r}: {step.kind} for version {step.version} "
                                          f"({uri}) could not be fetched after {self.attempts} attempts: {e}; "
                                          f"keeping version {self.version}") from e
+            except BaseMismatch as e:  # the object is sound but not for these weights: refetching cannot help
+                self._bad.add(step.obj.key)
+                log.warning("puller %s: %s; excluding %s and falling back (a full snapshot)", self.policy, e, uri)
             except WeightFormatError as e:
                 tried[step.obj.key] = tried.get(step.obj.key, 0) + 1
                 if tried[step.obj.key] == 1:
