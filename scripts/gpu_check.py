@@ -421,7 +421,7 @@ def step_trainer(ctx: Ctx) -> str:
 
     model_dir = need_model(ctx)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    cfg = TrainerConfig(policy="gpu-check", device=ctx.device, param_dtype="bfloat16", master_fp32=True, lr=1e-5,
+    cfg = TrainerConfig(policy="gpu-check", device=ctx.device, param_dtype="bfloat16", master_dtype="float32", lr=1e-5,
                         correction="tis", micro_batch_size=ctx.size["micro"], pad_token_id=tok.pad_token_id, seed=0)
     start = time.perf_counter()
     trainer = Trainer(cfg, model_dir)

@@ -8,6 +8,15 @@ mini-batch, and FSDP's reduce-scatter sums the gradients across ranks (each micr
 normalised for its whole mini-batch, see :func:`trainer.losses.aggregate`; the loss is scaled by N to
 undo FSDP's average).
 
+The process group is device-aware (:func:`collective_backend`): gloo for CPU tensors on every device, and
+nccl for CUDA tensors on CUDA. Collectives carry tensors on the training device (:func:`all_reduce_floats`), so
+the metric reduction takes the same path on CPU (gloo) and CUDA (nccl); pickled objects
+(:func:`broadcast_object`) and the checkpoints' CPU collectives go through gloo on both.
+
+With ``param_dtype: bfloat16`` and fp32 master weights (``master_dtype: float32``, the default) FSDP2 keeps the
+fp32 shards and all-gathers them in bf16 for the forward/backward, reducing gradients in fp32
+(``MixedPrecisionPolicy``).
+
 Only rank 0 talks to the bus: it serves the batch and :func:`broadcast_object` hands it to the
 others, it publishes (the full state dict is gathered, a collective every rank joins), commits
 offsets and writes metrics. Checkpoints go through ``torch.distributed.checkpoint`` (DCP) so a
@@ -43,11 +52,26 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def collective_backend(device: torch.device) -> str:
+    """The ``init_process_group`` backend for a trainer on ``device``: one backend per device type that collectives
+    carry tensors of, ``cpu:gloo`` always (pickled objects, checkpoints) and ``cuda:nccl`` on CUDA."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "cpu:gloo"
+
+
+def all_reduce_floats(values: list[float], device: torch.device,
+                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
+    """``values`` reduced element-wise with ``op`` over all ranks (a collective every rank must call), as float64
+    on ``device``, the training device: on CUDA through nccl, on CPU through gloo (:func:`collective_backend`)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
 def init(config: TrainerConfig) -> torch.device:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_*``)
     and return this rank's device: ``cuda:LOCAL_RANK`` when CUDA is used, else ``cpu``.
 
-    The backend is nccl on CUDA, gloo on CPU. A process group already initialised is reused. One rank
+    The backend is :func:`collective_backend`'s. A process group already initialised is reused. One rank
     started without torchrun (the DeepSpeed backend needs a process group even alone) gets a group of
     its own, in memory.
 
@@ -68,10 +92,10 @@ def init(config: TrainerConfig) -> torch.device:
             for key in ("RANK", "LOCAL_RANK"):
                 os.environ.setdefault(key, "0")
             os.environ.setdefault("WORLD_SIZE", "1")
-            dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+            dist.init_process_group(collective_backend(device), store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=COLLECTIVE_TIMEOUT)
         else:
-            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+            dist.init_process_group(collective_backend(device), timeout=COLLECTIVE_TIMEOUT)
     return device
 
 
@@ -109,7 +133,8 @@ class FSDPBackend(TorchBackend):
     Args:
         model: the HF model, already on this rank's device (identical weights on every rank). It is
             sharded in place: its parameters become ``DTensor`` shards (dim 0 over the ranks).
-        config: the trainer config (lr, betas, weight decay, ``max_grad_norm``).
+        config: the trainer config (lr, betas, weight decay, ``max_grad_norm``; ``param_dtype`` bfloat16 over fp32
+            master weights: a ``MixedPrecisionPolicy`` computing in bf16, reducing gradients in fp32).
 
     Attributes:
         forward_model: the sharded model (call it for forward passes; every rank must call it the
@@ -121,11 +146,16 @@ class FSDPBackend(TorchBackend):
     CHECKPOINT_DIR = "dcp"
 
     def __init__(self, model: torch.nn.Module, config: TrainerConfig):
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mixed = config.param_dtype != config.master_dtype
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else \
+            MixedPrecisionPolicy()
         for layer in decoder_layers(model):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        #: the mixed-precision policy the model was sharded with (float32 compute unless param_dtype is bfloat16)
+        self.mp_policy = policy
         self.world = dist.get_world_size()
         super().__init__(model, config)
 

@@ -66,7 +66,7 @@ class Trainer:
         else:
             self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
-        load_dtype = "float32" if config.master_fp32 else config.param_dtype
+        load_dtype = config.master_dtype  # the weights AdamW updates (float32 unless param_dtype is bfloat16)
         # the reference model first: under ZeRO-3 a model loaded later is created partitioned
         self.ref_model = (load_causal_lm(model_dir, config.param_dtype, self.device, trainable=False)
                           if config.kl_coef > 0 else None)
@@ -115,15 +115,14 @@ class Trainer:
             self.backend.load_sharded(ckpt.sharded_dir)
             self.version = ckpt.version
             return
-        saved = load_causal_lm(ckpt.model_dir, "float32" if self.config.master_fp32 else self.config.param_dtype,
-                               self.device)
+        saved = load_causal_lm(ckpt.model_dir, self.config.master_dtype, self.device)
         self.model.load_state_dict(saved.state_dict())
         self.optimizer.load_state_dict(ckpt.optimizer)
         self.version = ckpt.version
 
     def publish_state(self) -> dict[str, torch.Tensor]:
         """The weights as published, name -> tensor in ``param_dtype``: the dtype engines run, so that a
-        float32 trainer feeds float32 engines the very policy it trains (with ``master_fp32`` the fp32
+        float32 trainer feeds float32 engines the very policy it trains (with ``master_dtype`` float32 the fp32
         master weights are rounded to ``param_dtype``, the dtype the forward pass computes in).
 
         The tensors stay where the backend holds them (the model's own parameters when the dtype matches):
@@ -136,7 +135,7 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------
     def _autocast(self):
-        if self.config.master_fp32 and self.config.param_dtype != "float32":
+        if self.config.master_dtype != self.config.param_dtype:  # fp32 master weights, bf16 compute
             return torch.autocast(self.device.type, dtype=DTYPES[self.config.param_dtype])
         return torch.autocast(self.device.type, enabled=False)
 
@@ -220,6 +219,8 @@ class Trainer:
                     b = full.select(idx)
                     width = b.input_ids.shape[1]
                     self.backend.begin_micro_batch(i == passes - 1)
+                    # the entropy is reported even at entropy_coef 0: computed in the same chunks (no memory),
+                    # its gradient only when the loss uses it (trainer.model.token_logprobs)
                     logp, ent = self._logprobs(self.backend.forward_model, b, with_entropy=True)
                     out = losses.policy_loss(
                         logp, logp.detach() if reuse_logp else old_logp[idx, :width], b.behavior_logp, advantages[idx], b.loss_mask,
@@ -283,13 +284,13 @@ class Trainer:
         return metrics
 
     def _reduce_metrics(self, sums: Counter, is_min: float, is_max: float) -> tuple[float, float]:
-        """Sum the per-rank metric sums (in place) and take the global IS-ratio min/max (a collective).
+        """Sum the per-rank metric sums (in place) and take the global IS-ratio min/max (a collective, on the
+        training device: :func:`trainer.distributed.all_reduce_floats`).
         ``grad_norm`` and ``updates`` are global already and are left alone."""
+        from trainer.distributed import all_reduce_floats
+
         keys = ("loss", "pg_loss", "kl", "entropy", "clipped", "valid", "is_ratio_sum", "behaviour_kl_sum")
-        t = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
-        torch.distributed.all_reduce(t)
-        for k, v in zip(keys, t.tolist()):
+        for k, v in zip(keys, all_reduce_floats([float(sums[k]) for k in keys], self.device)):
             sums[k] = v
-        ext = torch.tensor([is_min, -is_max], dtype=torch.float64)
-        torch.distributed.all_reduce(ext, op=torch.distributed.ReduceOp.MIN)
-        return float(ext[0]), -float(ext[1])
+        low, neg_high = all_reduce_floats([is_min, -is_max], self.device, torch.distributed.ReduceOp.MIN)
+        return low, -neg_high

@@ -1,10 +1,16 @@
 """Trains a Trainer on fixed synthetic batches; run alone (1 rank) or under torchrun (N ranks).
 
-Usage: ``python dist_worker.py MODEL_DIR OUT RANKS [BACKEND]`` (under ``torchrun --nproc_per_node RANKS``
-when RANKS > 1); BACKEND: ``torch`` (the default: FSDP2 on several ranks) or ``deepspeed`` (ZeRO-2). Rank 0 writes ``OUT`` (``torch.save`` of {"weights": name -> float32 tensor, "metrics":
-[per-step metrics dicts], "published": [versions]}).
+Usage: ``python dist_worker.py MODEL_DIR OUT RANKS [BACKEND [EXAMPLE]]`` (under ``torchrun --nproc_per_node RANKS``
+when RANKS > 1); BACKEND: ``torch`` (the default: FSDP2 on several ranks) or ``deepspeed`` (ZeRO-2); EXAMPLE: a
+GPU example's YAML whose trainer settings are trained (:func:`example_trainer`) instead of :data:`CONFIG`. Rank 0
+writes ``OUT`` (``torch.save`` of {"weights": name -> float32 tensor, "states": [the published state of each
+version, name -> tensor in param_dtype], "metrics": [per-step metrics dicts], "published": [versions],
+"backend_config": the process group's backend, "collective_backend": the one trainer.distributed names for the
+training device, "mp_param_dtype": FSDP2's compute dtype (None for other backends)}); other ranks write their
+metrics to ``OUT.rank<r>``.
 """
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,6 +23,21 @@ from trainer.loop import Trainer
 #: second (so on 2 ranks one rank runs a zero-loss filler pass), TIS with a separate π_old forward.
 CONFIG = dict(param_dtype="float32", lr=1e-3, mini_batch_size=4, micro_batch_size=2, correction="tis",
               max_grad_norm=1.0)
+
+
+def example_trainer(example: str | Path) -> dict:
+    """The trainer settings of a GPU example (``policies.actor.trainer``) scaled down to the tiny model on the
+    CPU: its dtypes, lr, correction and ranks, with ``device: cpu`` and :data:`CONFIG`'s batch sizes."""
+    import yaml
+
+    trainer = dict(yaml.safe_load(Path(example).read_text())["policies"]["actor"]["trainer"])
+    trainer.update(device="cpu", mini_batch_size=CONFIG["mini_batch_size"], micro_batch_size=CONFIG["micro_batch_size"])
+    return trainer
+
+
+def sparsity(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:
+    """The fraction of the weights that two published versions hold equal (the paper's per-version sparsity)."""
+    return sum(int((old[k] == new[k]).sum()) for k in new) / sum(v.numel() for v in new.values())
 
 
 def batches(steps=3, groups=3):
@@ -41,24 +62,35 @@ def batches(steps=3, groups=3):
 
 class Recorder:
     def __init__(self):
-        self.versions, self.state, self.errors, self.durable_version = [], None, [], None
+        self.versions, self.states, self.errors, self.durable_version = [], [], [], None
         self.last_publish = {}
 
     def publish(self, state_dict, version, samples_consumed=None):
         self.versions.append(version)
-        self.state = {k: v.float().clone() for k, v in state_dict.items()}
+        self.states.append({k: v.detach().cpu().clone() for k, v in state_dict.items()})
 
 
-def main(model_dir: str, out: str, ranks: str, backend: str = "torch") -> None:
+def main(model_dir: str, out: str, ranks: str, backend: str = "torch", example: str | None = None) -> None:
     torch.set_num_threads(1)
     import os
 
+    from trainer.distributed import collective_backend
+
     rank = int(os.environ.get("RANK", "0"))
     pub = Recorder() if rank == 0 else None
-    trainer = Trainer(TrainerConfig(policy="pol", ranks=int(ranks), backend=backend, **CONFIG), model_dir, publisher=pub)
+    settings = example_trainer(example) if example else CONFIG
+    config = TrainerConfig(**{**settings, "policy": "pol", "ranks": int(ranks), "backend": backend})
+    trainer = Trainer(config, model_dir, publisher=pub)
     metrics = [trainer.train_step(b) for b in batches()]
     if rank == 0:
-        torch.save({"weights": pub.state, "metrics": metrics, "published": pub.versions}, out)
+        policy = getattr(trainer.backend, "mp_policy", None)
+        torch.save({"weights": {k: v.float() for k, v in pub.states[-1].items()}, "states": pub.states,
+                    "metrics": metrics, "published": pub.versions,
+                    "backend_config": torch.distributed.get_backend_config() if torch.distributed.is_initialized()
+                    else None, "collective_backend": collective_backend(trainer.device),
+                    "mp_param_dtype": None if policy is None else policy.param_dtype}, out)
+    else:
+        torch.save(metrics, f"{out}.rank{rank}")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

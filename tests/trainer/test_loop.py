@@ -44,7 +44,7 @@ def _capture_logit_grads(model):
 
 @pytest.mark.parametrize("cfg", [
     dict(correction="none", param_dtype="float32", lr=1e-4),
-    dict(correction="tis", master_fp32=True, lr=3e-4),  # bf16 compute, fp32 master weights
+    dict(correction="tis", lr=3e-4),  # bf16 compute, fp32 master weights (the default)
     dict(correction="m2po", loss_agg="seq-mean", adv_scale_by_std=False, param_dtype="float32", lr=1e-4),
     dict(correction="tis", kl_coef=0.1, entropy_coef=0.01, micro_batch_size=3, param_dtype="float32", lr=1e-4),
 ])
@@ -147,9 +147,9 @@ def test_mini_batches_take_several_optimizer_steps(tiny_model_dir, make_group):
     assert m["version"] == 1.0
 
 
-def test_bf16_params_are_updated_and_published_as_bf16(tiny_model_dir, make_group):
+def test_the_bf16_only_optimizer_updates_bf16_params_and_publishes_bf16(tiny_model_dir, make_group):
     pub = RecordingPublisher()
-    t = Trainer(TrainerConfig(lr=1e-3), tiny_model_dir, publisher=pub)
+    t = Trainer(TrainerConfig(lr=1e-3, master_dtype="bfloat16"), tiny_model_dir, publisher=pub)
     before = [p.detach().clone() for p in t.model.parameters()]
     assert before[0].dtype == torch.bfloat16
     t.train_step([make_group([1.0, 0.0], gen_len=2)])
