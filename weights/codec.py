@@ -15,7 +15,8 @@ Object layout (``delta.zst``), all integers little-endian::
     frames  : per tensor with count > 0, in header order, its zstd frames
 
 Format 2 (written) codes each tensor's positions and values independently, each
-the smaller of its candidates as measured by compressing them:
+the smallest of its candidates as measured by compressing them (values of a
+tensor with over :data:`VALUE_SAMPLE` changes: measured on its first ones):
 
 - positions ``"gaps"``: ``count`` unsigned integers of ``index_bytes`` bytes
   (the first flat index, then the differences of consecutive sorted indices);
@@ -37,13 +38,13 @@ default: on bf16 deltas level 3 is no smaller and half as fast
 
 Format 1 (read only, written until 2026-12): entry ``{name, dtype, shape,
 count, index_bytes, frame_bytes}``, one frame per tensor holding ``gaps ||
-raw values``, no header check.
+raw values``, no object check.
 
 In format 2 the check covers every other byte of the object (format 1: each
 frame carries zstd's content checksum), so a flipped bit in storage is detected
-before anything is applied. The ``sha256``
-in the header is :func:`state_sha256` of the *resulting* full parameters
-(sha256 over per-tensor xxh3-128 digests), the value
+before anything is applied. The ``sha256`` in the header is
+:func:`state_sha256` of the *resulting* full parameters (sha256 over
+per-tensor xxh3-128 digests), the value
 :class:`topics.schemas.WeightAnnouncement` carries.
 
 A **full snapshot** is a safetensors file whose metadata holds ``version`` and
