@@ -40,16 +40,21 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
 from topics.bus import Bus
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
 from topics.schemas import WeightAnnouncement
 from weights.codec import encode_delta, save_full, state_sha256
-from weights.store import StoreError, StoreUnavailable, WeightStore
+from weights.store import ObjectExists, StoreError, StoreUnavailable, WeightStore
 
 log = logging.getLogger(__name__)
+
+
+def _transient(e: BaseException) -> bool:
+    """A store failure worth retrying: any but an object that already holds other bytes."""
+    return isinstance(e, StoreError) and not isinstance(e, ObjectExists)
 
 Buffer = dict[str, torch.Tensor]
 
@@ -232,11 +237,27 @@ class Publisher:
         with self._cv:
             return self._base[0] if self._base is not None else None
 
+    def newest_stored_version(self, patience_s: float = 180.0) -> int | None:
+        """The newest version of this policy with an object in the store (None: none). Every announced version
+        was stored first, and retention keeps the newest, so no version above it was ever announced.
+
+        Args:
+            patience_s: a failing listing is retried with back-off (at most 5 s) for this long (seconds).
+
+        Raises:
+            StoreError: the listing still failed after ``patience_s``.
+        """
+        for attempt in Retrying(stop=stop_after_delay(patience_s), reraise=True,
+                                wait=wait_exponential(multiplier=0.5, max=5.0), retry=retry_if_exception(_transient)):
+            with attempt:
+                versions = self.store.versions(self.policy)
+        return max(versions, default=None)
+
     def _put(self, key: str, data) -> None:
         """``store.put`` with retries: a transient store failure costs a back-off, not the version."""
         for attempt in Retrying(stop=stop_after_attempt(self.attempts), reraise=True,
                                 wait=wait_exponential(multiplier=0.5, max=5.0),
-                                retry=retry_if_exception_type(StoreError),
+                                retry=retry_if_exception(_transient),
                                 before_sleep=lambda s: log.debug(
                                     "publisher %s: put %s: attempt %d failed (%s); retrying in %.1f s", self.policy,
                                     key, s.attempt_number, s.outcome.exception(), s.next_action.sleep)):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import obstore
-from obstore.exceptions import NotFoundError
+from obstore.exceptions import AlreadyExistsError, NotFoundError
 from obstore.store import from_url
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,11 @@ class StoreUnavailable(StoreError):
 
 class ObjectMissing(StoreError):
     """The object does not exist (never written, deleted by retention, or not yet visible)."""
+
+
+class ObjectExists(StoreError):
+    """An object already exists at the key with other bytes: a version names one set of weights for ever, so
+    it is never overwritten (retrying cannot help)."""
 
 
 @dataclass(frozen=True)
@@ -221,16 +226,26 @@ class WeightStore:
                             failed)
 
     def put(self, key: str, data: bytes | Path) -> None:
-        """Write ``data`` (bytes, or a local file streamed in parts) to ``key`` atomically.
+        """Write ``data`` (bytes, or a local file streamed in parts) to ``key`` atomically, only if nothing is
+        there yet (a create-only put: S3 ``If-None-Match: *``, a no-clobber link on a local directory). An object
+        already there with the same bytes is accepted (a retried put whose first attempt landed).
 
         Raises:
+            ObjectExists: ``key`` holds other bytes (it is left as it was).
             StoreError: the write failed; no partial object is visible.
         """
         try:
-            obstore.put(self._store, key, data)
+            obstore.put(self._store, key, data, mode="create")
+            self._answered()
+            return
+        except AlreadyExistsError:
+            pass
         except Exception as e:
             raise self._failed("put", self.uri_of(key), e) from None
-        self._answered()
+        ours = data.read_bytes() if isinstance(data, Path) else bytes(data)
+        if self.get(key) != ours:
+            raise ObjectExists(f"put {self.uri_of(key)} refused: an object with other bytes is already there "
+                               f"(a version is never overwritten)")
 
     def get(self, key: str, start: int | None = None, length: int | None = None) -> bytes:
         """Read object ``key`` (or ``length`` bytes from ``start``).

@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from weights.store import ObjectMissing, StoreError, WeightStore
+from weights.store import ObjectExists, ObjectMissing, StoreError, WeightStore
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -55,29 +55,30 @@ def test_bad_uri():
 
 
 def test_local_put_is_atomic_for_concurrent_readers(tmp_path):
-    """A reader polling while a writer replaces a large object only ever sees a whole version."""
+    """A reader polling while a writer creates large objects only ever sees a whole object, or none."""
     store = WeightStore(WeightStore.default_uri(tmp_path), "run")
-    key = store.key("p", 1, "full")
-    payloads = [bytes([i]) * (4 << 20) for i in range(6)]
+    keys = [store.key("p", v, "full") for v in range(1, 7)]
+    payloads = [bytes([v]) * (4 << 20) for v in range(1, 7)]
     seen, stop = [], threading.Event()
 
     def read():
         while not stop.is_set():
-            try:
-                seen.append(store.get(key))
-            except ObjectMissing:
-                pass
+            for key, payload in zip(keys, payloads):
+                try:
+                    seen.append(store.get(key) == payload)
+                except ObjectMissing:
+                    pass
 
     reader = threading.Thread(target=read)
     reader.start()
-    for p in payloads:
-        store.put(key, p)
+    for key, payload in zip(keys, payloads):
+        store.put(key, payload)
     stop.set()
     reader.join()
-    assert seen, "the reader never saw the object"
-    assert all(s in payloads for s in seen)
+    assert seen, "the reader never saw an object"
+    assert all(seen)
     # staging files are not listed as objects
-    assert [o.key for o in store.objects("p")] == [key]
+    assert [o.key for o in store.objects("p")] == keys
 
 
 def test_an_http_endpoint_from_the_environment_works(s3_uri, monkeypatch):
@@ -92,3 +93,18 @@ def test_an_http_endpoint_from_the_environment_works(s3_uri, monkeypatch):
     store.put(store.key("actor", 1, "full"), b"weights")
     assert store.get(store.key("actor", 1, "full")) == b"weights"
     assert list(store.versions("actor")) == [1]
+
+
+def test_an_object_is_never_overwritten_with_other_bytes(store, tmp_path):
+    key = store.key("p", 3, "full")
+    store.put(key, b"weights of version 3")
+    store.put(key, b"weights of version 3")  # a retried put whose first attempt landed: accepted
+    src = tmp_path / "same.bin"
+    src.write_bytes(b"weights of version 3")
+    store.put(key, src)
+    with pytest.raises(ObjectExists, match="00000003/full.safetensors refused: an object with other bytes"):
+        store.put(key, b"other weights, same version")
+    src.write_bytes(b"other weights from a file")
+    with pytest.raises(ObjectExists):
+        store.put(key, src)
+    assert store.get(key) == b"weights of version 3"
