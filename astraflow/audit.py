@@ -34,13 +34,17 @@ class RunAudit:
     """What :func:`audit_run` found.
 
     Attributes:
-        versions: the versions of the trained batches, in order (1..steps when the run completed).
+        versions: the versions of the trained batches on the lineage, in order (1..steps when the run completed
+            and no trainer resume skipped versions).
+        renumbered: those of them that gave a resumed checkpoint's weights a new version (no training; see
+            :mod:`trainer.service`): ``len(versions) - len(renumbered)`` steps were trained.
         committed_prompts: distinct prompt ids below the RaaS group's committed offsets.
         lost: prompt ids committed without a group on ``trajectories.<policy>`` (sorted).
         trained_twice: group ids trained in more than one step (sorted).
     """
 
     versions: list[int]
+    renumbered: list[int]
     committed_prompts: int
     lost: list[str]
     trained_twice: list[str]
@@ -58,5 +62,6 @@ def audit_run(bus: Bus, names: TopicNames, policy: str, workflow: str) -> RunAud
     done = {decode(r.value, Prompt).prompt_id for r in read_topic(bus, names.prompts)
             if r.offset < (committed.get(r.partition) or 0)}
     grouped = {decode(r.value, TrajectoryGroup).prompt_id for r in read_topic(bus, names.trajectories(policy))}
-    return RunAudit(versions=[b.version for b in batches], committed_prompts=len(done),
+    return RunAudit(versions=[b.version for b in batches],
+                    renumbered=[b.version for b in batches if b.base_version is not None], committed_prompts=len(done),
                     lost=sorted(done - grouped), trained_twice=sorted(g for g, n in counts.items() if n > 1))

@@ -165,7 +165,8 @@ class PolicyConfig(_Strict):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="the vLLM server (engine: vllm)")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     batch_groups: int = Field(default=16, ge=1, description="groups per training step")
-    steps: int = Field(default=100, ge=1, description="trainer versions to produce, then stop")
+    steps: int = Field(default=100, ge=1, description="training steps on the lineage of the final weights, then stop "
+                       "(the final version is higher by the versions a resume skipped: trainer/service.py)")
     max_staleness: int = Field(default=8, ge=0, description="versions; older samples are dropped")
     checkpoint_every: int = Field(default=10, ge=1, description="steps between checkpoints")
     keep_versions: int | None = Field(default=None, ge=1, description="weight versions kept in the store: after each "
@@ -183,6 +184,15 @@ class PolicyConfig(_Strict):
         if self.engine == "vllm" and self.vllm.url is None and not self.vllm.python.exists():
             raise ValueError(f"engine: vllm starts a server with {self.vllm.python}, which does not exist: run "
                              "scripts/install_vllm.sh, or set vllm.python, or vllm.url for a running server")
+        return self
+
+    @model_validator(mode="after")
+    def _serving_within_bound(self) -> "PolicyConfig":
+        for i, spec in enumerate(self.serving):
+            bound = spec.get("max_staleness") if isinstance(spec, dict) else None
+            if isinstance(bound, int) and bound > self.max_staleness:
+                raise ValueError(f"serving[{i}].max_staleness {bound} is above max_staleness {self.max_staleness}: "
+                                 "a serving policy obeys the policy's bound (left out, it is that bound)")
         return self
 
 

@@ -187,6 +187,11 @@ def _step(trainer: Trainer, groups: list[TrajectoryGroup], publisher, on_version
           ) -> tuple[int, int, str]:
     """Train one step, checksum the bf16 CPU weights, publish them (every version: nothing is coalesced)."""
     trainer.train_step(groups)
+    return _checksum(trainer, len(groups), publisher, on_version)
+
+
+def _checksum(trainer: Trainer, n_groups: int, publisher, on_version: OnVersion | None) -> tuple[int, int, str]:
+    """Checksum the trainer's bf16 CPU weights as its current version and publish them."""
     state = trainer.publish_state()
     sha = state_sha256(state)
     if publisher is not None:
@@ -194,7 +199,7 @@ def _step(trainer: Trainer, groups: list[TrajectoryGroup], publisher, on_version
         publisher.wait()
     if on_version is not None:
         on_version(trainer.version, sha)
-    return trainer.version, len(groups), sha
+    return trainer.version, n_groups, sha
 
 
 def replay_exact(config: TrainerConfig, model_dir: str | Path, steps: list[TrainedBatch],
@@ -202,12 +207,14 @@ def replay_exact(config: TrainerConfig, model_dir: str | Path, steps: list[Train
                  ) -> list[tuple[int, int, str]]:
     """Train a fresh trainer on the recorded steps, in order, and checksum each version: version ``v``
     on its fresh ``group_ids`` followed by its ``replayed_ids`` (the order of
-    :class:`~consumers.serving.ServedBatch.groups`).
+    :class:`~consumers.serving.ServedBatch.groups`). A renumbering record (``base_version`` set: a resumed
+    trainer gave its checkpoint's weights a new version) renumbers the weights without training.
 
     Args:
         config: the original trainer's config (same seed, dtypes, optimiser, batch splits).
         model_dir: the original initial model (version 0).
-        steps: versions 1, 2, 3, ... (:func:`trainer.service.trained_batches`).
+        steps: the lineage, each version trained from the one before or renumbered from its ``base_version``
+            (:func:`trainer.service.trained_batches`).
         groups: ``{group_id: group}`` holding every recorded id (:func:`read_groups`).
         publisher: a ``weights.publisher.Publisher`` to publish each version through, or None.
         on_version: called as ``on_version(version, sha256)`` after each step.
@@ -217,14 +224,20 @@ def replay_exact(config: TrainerConfig, model_dir: str | Path, steps: list[Train
         published CPU weights (:meth:`~trainer.loop.Trainer.publish_state`), what the original trainer announced.
 
     Raises:
-        ReplayError: the versions are not 1, 2, 3, ..., or a recorded id is not in ``groups``.
+        ReplayError: a version's base is not the version before it in ``steps`` (the record has gaps), or a
+            recorded id is not in ``groups``.
     """
-    versions = [s.version for s in steps]
-    if versions != list(range(1, len(steps) + 1)):
-        raise ReplayError(f"recorded versions {versions[:10]}... are not 1, 2, 3, ...: the record has gaps")
     trainer = Trainer(config, model_dir)
     out = []
     for step in steps:
+        base = step.version - 1 if step.base_version is None else step.base_version
+        if base != trainer.version:
+            raise ReplayError(f"version {step.version} was made from version {base}, and the record reaches version "
+                              f"{trainer.version}: the record has gaps")
+        if step.base_version is not None:
+            trainer.renumber(step.version)
+            out.append(_checksum(trainer, 0, publisher, on_version))
+            continue
         ids = [*step.group_ids, *step.replayed_ids]
         missing = [i for i in ids if i not in groups]
         if missing:

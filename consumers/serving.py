@@ -8,7 +8,9 @@
 - Groups are de-duplicated by ``group_id``: against the buffer, and against the
   persistent set of served ids, which is part of the checkpoint state.
 - A serving policy (replay), when configured, supplies a fraction ``replay.ratio`` of
-  each batch.
+  each batch, under the same ``max_staleness`` (its own bound, if set, may only be tighter).
+- Groups rolled out on versions that are off the trainer's lineage (:attr:`ServingStage.off_lineage`:
+  published by steps a restarted trainer redid from an older checkpoint) are dropped as stale.
 - Offsets are committed only by :meth:`ServingStage.commit`, which the trainer calls
   after the trained step is checkpointed. The offset committed per partition is
   the lowest offset still buffered (not yet served), or the end of what was
@@ -70,12 +72,13 @@ class ServingStage:
         batch_groups: batch size in groups, or
         batch_samples: batch size in samples (whole groups, until at least this many).
         replay: a serving policy (:class:`policies.replay.Replay`) that supplies ``replay.ratio`` of each
-            batch and is offered every fresh group served, or None.
+            batch and is offered every fresh group served, or None. Its ``max_staleness`` is set to
+            ``max_staleness`` when it has none.
         max_buffer: groups buffered at most before a batch is cut (bounds memory).
 
     Raises:
-        ValueError: not exactly one of ``batch_groups``/``batch_samples``, or a ``replay.ratio``
-            outside [0, 1).
+        ValueError: not exactly one of ``batch_groups``/``batch_samples``, a ``replay.ratio``
+            outside [0, 1), or a ``replay.max_staleness`` above ``max_staleness``.
     """
 
     def __init__(self, consumer: Consumer, producer: Producer, topic: str, deadletter_topic: str, *,
@@ -90,6 +93,12 @@ class ServingStage:
             raise ValueError(f"the serving policy's ratio must be in [0, 1), got {replay_fraction}")
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if replay is not None:
+            if replay.max_staleness is None:
+                replay.max_staleness = max_staleness
+            elif replay.max_staleness > max_staleness:
+                raise ValueError(f"the serving policy's max_staleness {replay.max_staleness} is above the policy's "
+                                 f"{max_staleness}: it would train groups the policy drops as stale")
         self.consumer, self.topic = consumer, topic
         self.reader = ValidatingConsumer(consumer, producer, deadletter_topic, TrajectoryGroup)
         if not consumer.assignment():
@@ -100,6 +109,9 @@ class ServingStage:
         self._buffered_ids: set[str] = set()
         self.served_ids: set[str] = set()
         self._polled_end: dict[TopicPartition, int] = {}
+        #: inclusive version ranges off the trainer's lineage (see :class:`trainer.checkpoint.Checkpoint`'s
+        #: ``renumbered``): a group with a sample of one of them is dropped as stale
+        self.off_lineage: list[tuple[int, int]] = []
         #: totals since start: groups dropped as stale, as duplicates, records dead-lettered.
         self.total_dropped_stale = 0
         self.total_duplicates = 0
@@ -160,13 +172,17 @@ class ServingStage:
     def _drop_stale(self, version: int, batch: ServedBatch) -> None:
         keep = []
         for b in self._buffer:
-            if group_staleness(b.group, version) > self.max_staleness:
+            if group_staleness(b.group, version) > self.max_staleness or self._off_lineage(b.group):
                 batch.dropped_stale += 1
                 self._buffered_ids.discard(b.group.group_id)
                 self.served_ids.add(b.group.group_id)  # consumed: never served later either
             else:
                 keep.append(b)
         self._buffer = keep
+
+    def _off_lineage(self, group: TrajectoryGroup) -> bool:
+        return group.min_version >= 0 and any(lo <= group.max_version and group.min_version <= hi
+                                              for lo, hi in self.off_lineage)
 
     def _fresh_target(self) -> int:
         """Fresh groups wanted (group mode) or samples wanted (sample mode)."""

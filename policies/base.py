@@ -106,10 +106,13 @@ class ServingPolicy(Policy):
     Attributes:
         ratio: r in [0, 1), the fraction of each batch of ``n`` groups that :meth:`sample` supplies
             (``round(r * n)`` groups; :class:`consumers.serving.ServingStage` takes the rest fresh).
+        max_staleness: the most versions old a group it serves may be: at most the trained policy's
+            ``max_staleness``; None until :class:`consumers.serving.ServingStage` sets it to that bound.
     """
 
     kind: ClassVar[str] = "serving"
     ratio: float = 0.0
+    max_staleness: int | None = None
 
     def add(self, groups: Iterable[TrajectoryGroup], version: int) -> None:
         """Offer ``groups`` (already served to the trainer at weight ``version``) to the policy."""

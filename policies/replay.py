@@ -9,6 +9,8 @@ and the pool::
 
 Unlike the original replay buffers, the pool enforces ``max_staleness``: a
 group whose staleness ``v - min_version`` exceeds it is evicted and never served.
+Left out, it is the trained policy's ``policies.<p>.max_staleness`` (the serving
+stage sets it); a value above that bound is refused.
 """
 from __future__ import annotations
 
@@ -30,21 +32,23 @@ class Replay(ServingPolicy):
     Args:
         capacity: the most groups the pool holds; the oldest added is evicted first.
         ratio: r, the fraction of each batch served from the pool, in [0, 1).
-        max_staleness: groups more than this many versions old are evicted (versions).
+        max_staleness: groups more than this many versions old are evicted (versions); None: the bound the
+            serving stage gives (the policy's ``max_staleness``), and until then none.
         seed: seed of the uniform draws from the pool.
 
     Raises:
         PolicyConfigError: ``capacity < 1``, ``ratio`` outside [0, 1) or ``max_staleness < 0``.
     """
 
-    def __init__(self, capacity: int = 10000, ratio: float = 0.25, max_staleness: int = 8, seed: int = 0):
+    def __init__(self, capacity: int = 10000, ratio: float = 0.25, max_staleness: int | None = None, seed: int = 0):
         if int(capacity) < 1:
             raise PolicyConfigError("replay", f"must be >= 1 groups, got {capacity}", param="capacity")
         if not 0.0 <= float(ratio) < 1.0:
             raise PolicyConfigError("replay", f"must be in [0, 1), got {ratio}", param="ratio")
-        if int(max_staleness) < 0:
+        if max_staleness is not None and int(max_staleness) < 0:
             raise PolicyConfigError("replay", f"must be >= 0 versions, got {max_staleness}", param="max_staleness")
-        self.capacity, self.ratio, self.max_staleness = int(capacity), float(ratio), int(max_staleness)
+        self.capacity, self.ratio = int(capacity), float(ratio)
+        self.max_staleness = None if max_staleness is None else int(max_staleness)
         self.rng = np.random.default_rng(seed)
         self.pool: deque[TrajectoryGroup] = deque()
         self.evicted_stale = 0
@@ -52,15 +56,18 @@ class Replay(ServingPolicy):
     def __len__(self) -> int:
         return len(self.pool)
 
+    def _fresh(self, group: TrajectoryGroup, version: int) -> bool:
+        return self.max_staleness is None or group_staleness(group, version) <= self.max_staleness
+
     def _evict_stale(self, version: int) -> None:
-        fresh = [g for g in self.pool if group_staleness(g, version) <= self.max_staleness]
+        fresh = [g for g in self.pool if self._fresh(g, version)]
         self.evicted_stale += len(self.pool) - len(fresh)
         self.pool = deque(fresh)
 
     def add(self, groups: Iterable[TrajectoryGroup], version: int) -> None:
         self._evict_stale(version)
         for g in groups:
-            if group_staleness(g, version) <= self.max_staleness:
+            if self._fresh(g, version):
                 self.pool.append(g)
         while len(self.pool) > self.capacity:
             self.pool.popleft()

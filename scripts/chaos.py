@@ -142,7 +142,8 @@ def main() -> int:
     finally:
         broker("stop", a.port)
     complete = bool(summary.get("complete")) and launcher.returncode == 0
-    result = {"metric": "chaos", "steps": max(audit.versions, default=0), "complete": complete,
+    # steps trained on the lineage (a trainer resume that renumbered its checkpoint's weights skips versions)
+    result = {"metric": "chaos", "steps": len(audit.versions) - len(audit.renumbered), "complete": complete,
               "kills": len(kills), "killed": sorted(set(kills)), "broker_bounces": bounces,
               "restarts": restarts(run_dir), "lost": len(audit.lost), "trained_twice": len(audit.trained_twice),
               "committed_prompts": audit.committed_prompts, "reward_first": summary.get("reward_first"),

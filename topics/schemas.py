@@ -300,14 +300,19 @@ class TrainerProgress(Message):
 class TrainedBatch(Message):
     """The groups one trainer step trained, on ``trained`` (compacted, keyed ``<policy>/<version>``).
 
-    Sent when the step's checkpoint is taken, before it is written: a step redone after a restart
-    sends its key again, and the newest record per key is the checkpointed history. Replay
+    Sent when the step's checkpoint is taken, before it is written. A version is never reused: a
+    trainer resumed from checkpoint ``c`` after versions up to ``u > c`` were published gives the
+    checkpoint's weights version ``u + 1`` and records that as a batch of no groups with
+    ``base_version`` ``c``; versions ``c + 1 .. u`` are then off the policy's lineage, and
+    :func:`trainer.service.trained_batches` leaves their records out (the steps were redone). Replay
     (:mod:`consumers.replay`) and the exactly-once audit (:mod:`astraflow.audit`) read it.
     """
 
     SCHEMA: ClassVar[str] = "TrainedBatch"
     policy: str = Field(min_length=1)
     version: int = Field(ge=1, description="the weight version the step produced")
+    base_version: int | None = Field(default=None, ge=0, description="the version the step started from; None: "
+                                     "version - 1. Set (with no groups) where a resume renumbered the weights")
     group_ids: list[str] = Field(description="the fresh groups of the batch, in batch order")
     replayed_ids: list[str] = Field(default_factory=list, description="groups re-served by the replay policy")
     ts: float = Field(default_factory=time.time)

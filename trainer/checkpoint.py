@@ -6,7 +6,8 @@ Layout under a checkpoint root::
         model/            save_pretrained directory (safetensors), loadable by AutoModelForCausalLM
         optimizer.pt      torch.save of the optimizer state_dict
         state.pt          torch.save of {"serving": ..., "policies": ...}
-        meta.json         {"version", "offsets": [[topic, partition, offset], ...], "created_ts", ...}
+        meta.json         {"version", "offsets": [[topic, partition, offset], ...], "renumbered": [[c, r], ...],
+                          "created_ts"}
     LATEST                the name of the newest complete checkpoint
 
 A checkpoint of a multi-rank (FSDP2) or DeepSpeed trainer (:func:`save_distributed_checkpoint`) has no
@@ -48,7 +49,9 @@ class Checkpoint:
 
     ``model_dir`` is the ``save_pretrained`` directory; ``optimizer`` the optimizer
     state_dict; ``offsets`` the next offset to consume per partition; ``serving`` and
-    ``policies`` the state dicts saved with it.
+    ``policies`` the state dicts saved with it; ``renumbered`` the resumes that skipped versions, oldest
+    first: ``(c, r)`` says version ``r`` holds the weights of checkpoint ``c`` and versions ``c + 1 .. r - 1``
+    are off this lineage (:meth:`trainer.service.TrainerService.checkpoint`).
     """
 
     path: Path
@@ -58,6 +61,7 @@ class Checkpoint:
     offsets: dict[TopicPartition, int]
     serving: dict[str, Any] = field(default_factory=dict)
     policies: dict[str, Any] = field(default_factory=dict)
+    renumbered: list[tuple[int, int]] = field(default_factory=list)
     #: the directory of the model and optimizer state the backend wrote itself (``dcp`` for FSDP2, ``deepspeed``
     #: for DeepSpeed), else None; with one, ``optimizer`` is {}
     sharded_dir: Path | None = None
@@ -73,13 +77,15 @@ def _fsync_dir(path: Path) -> None:
 
 def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     offsets: dict[TopicPartition, int], serving: dict[str, Any] | None = None,
-                    policies: dict[str, Any] | None = None, keep: int = 2) -> Path:
+                    policies: dict[str, Any] | None = None, renumbered: list[tuple[int, int]] | None = None,
+                    keep: int = 2) -> Path:
     """Write a checkpoint of ``version`` under ``root`` atomically and prune all but the newest ``keep``.
 
     Args:
         model: an HF model (``save_pretrained`` is used).
         offsets: per partition, the next offset to consume (records).
         serving, policies: state dicts (anything ``torch.save`` can pickle).
+        renumbered: :attr:`Checkpoint.renumbered` (versions).
         keep: complete checkpoints kept (>= 1).
 
     Returns:
@@ -96,7 +102,7 @@ def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, o
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
 
     return _complete(root, name, tmp, write, version=version, offsets=offsets, serving=serving,
-                     policies=policies, keep=keep)
+                     policies=policies, renumbered=renumbered, keep=keep)
 
 
 def _new_tmp(root: Path, version: int) -> tuple[str, Path]:
@@ -111,14 +117,16 @@ def _new_tmp(root: Path, version: int) -> tuple[str, Path]:
 
 
 def _complete(root: Path, name: str, tmp: Path, write, *, version: int, offsets: dict[TopicPartition, int],
-              serving: dict[str, Any] | None, policies: dict[str, Any] | None, keep: int) -> Path:
+              serving: dict[str, Any] | None, policies: dict[str, Any] | None,
+              renumbered: list[tuple[int, int]] | None, keep: int) -> Path:
     """Run ``write(tmp)``, add state and meta, fsync, rename ``tmp`` to ``root/name``, point LATEST at it
     and prune; on any error ``tmp`` is removed and the error re-raised."""
     try:
         write(tmp)
         torch.save({"serving": serving or {}, "policies": policies or {}}, tmp / "state.pt")
         meta = {"version": version, "created_ts": time.time(),
-                "offsets": [[tp.topic, tp.partition, off] for tp, off in sorted(offsets.items())]}
+                "offsets": [[tp.topic, tp.partition, off] for tp, off in sorted(offsets.items())],
+                "renumbered": [list(pair) for pair in renumbered or ()]}
         (tmp / "meta.json").write_text(json.dumps(meta))
         for f in tmp.rglob("*"):
             if f.is_file():
@@ -140,7 +148,8 @@ def _complete(root: Path, name: str, tmp: Path, write, *, version: int, offsets:
 
 def save_distributed_checkpoint(root: str | Path, *, version: int, backend: Any, model: torch.nn.Module,
                                 offsets: dict[TopicPartition, int], serving: dict[str, Any] | None = None,
-                                policies: dict[str, Any] | None = None, keep: int = 2) -> Path:
+                                policies: dict[str, Any] | None = None,
+                                renumbered: list[tuple[int, int]] | None = None, keep: int = 2) -> Path:
     """:func:`save_checkpoint` for a multi-rank trainer: a collective, called by every rank with the same
     ``root`` (a file system all ranks share) and ``version``.
 
@@ -148,8 +157,8 @@ def save_distributed_checkpoint(root: str | Path, *, version: int, backend: Any,
     ``backend.save_sharded`` (:meth:`trainer.distributed.FSDPBackend.save_sharded`,
     :meth:`trainer.deepspeed_backend.DeepSpeedBackend.save_sharded`); rank 0 also
     writes ``model/`` from the gathered full weights, ``state.pt`` and ``meta.json``, and publishes
-    the checkpoint atomically as :func:`save_checkpoint` does. ``offsets``, ``serving`` and
-    ``policies`` are rank 0's (ignored elsewhere).
+    the checkpoint atomically as :func:`save_checkpoint` does. ``offsets``, ``serving``,
+    ``policies`` and ``renumbered`` are rank 0's (ignored elsewhere).
 
     Returns:
         The checkpoint directory (on every rank).
@@ -173,7 +182,8 @@ def save_distributed_checkpoint(root: str | Path, *, version: int, backend: Any,
     if first:
         try:
             result = _complete(root, name, tmp, lambda t: model.save_pretrained(t / "model", state_dict=full),
-                               version=version, offsets=offsets, serving=serving, policies=policies, keep=keep)
+                               version=version, offsets=offsets, serving=serving, policies=policies,
+                               renumbered=renumbered, keep=keep)
         except OSError as e:
             result = f"checkpoint {root / name} not written: {e}"
     result = broadcast_object(result)
@@ -220,4 +230,5 @@ def load_checkpoint(path: str | Path, named_by: Path | None = None) -> Checkpoin
         path=path, version=int(meta["version"]), model_dir=path / "model", optimizer=optimizer,
         offsets={TopicPartition(t, int(p)): int(o) for t, p, o in meta["offsets"]},
         serving=state["serving"], policies=state["policies"], sharded_dir=sharded_dir,
+        renumbered=[(int(c), int(r)) for c, r in meta.get("renumbered", ())],
     )

@@ -20,12 +20,15 @@ from trainer.model import DTYPES, load_causal_lm, resolve_device, token_logprobs
 
 class WeightPublisher(Protocol):
     """Anything with ``publish(state_dict, version, samples_consumed)``, ``durable_version`` (the
-    newest version stored and announced, None before any), ``errors`` (failed publishes) and
+    newest version stored and announced, None before any), ``newest_stored_version()`` (the newest
+    version in the store, by any process, None before any), ``errors`` (failed publishes) and
     ``last_publish`` (figures of the newest version published, reported with each step), e.g.
     ``weights.publisher.Publisher``."""
 
     def publish(self, state_dict: dict[str, torch.Tensor], version: int,
                 samples_consumed: int | None = None) -> Any: ...
+
+    def newest_stored_version(self) -> int | None: ...
 
     @property
     def durable_version(self) -> int | None: ...
@@ -119,6 +122,26 @@ class Trainer:
         self.model.load_state_dict(saved.state_dict())
         self.optimizer.load_state_dict(ckpt.optimizer)
         self.version = ckpt.version
+
+    def renumber(self, version: int, samples_consumed: int | None = None) -> None:
+        """Give the current weights the new number ``version`` and publish them as it, without training.
+
+        A trainer resumed from a checkpoint older than versions already published (killed after publishing
+        steps it had not checkpointed) calls it with the next free version: those versions keep naming
+        the weights they were announced with, and RaaS workers leave them for the checkpoint's weights at once.
+        ``samples_consumed`` goes with the announcement, as in :meth:`train_step`. On several ranks a
+        collective, as :meth:`train_step`.
+
+        Raises:
+            ValueError: ``version`` is not above :attr:`version`.
+        """
+        if version <= self.version:
+            raise ValueError(f"renumber to version {version}: not above the current version {self.version}")
+        self.version = version
+        if self.publisher is not None if self.world == 1 else self._gather:
+            state = self.publish_state()
+            if self.publisher is not None:
+                self.publisher.publish(state, version, samples_consumed)
 
     def publish_state(self) -> dict[str, torch.Tensor]:
         """The weights as published, name -> tensor in ``param_dtype``: the dtype engines run, so that a

@@ -12,9 +12,15 @@ metrics go out. Every ``checkpoint_every`` steps (and at the end):
 3. the consumed offsets are committed on the bus.
 
 A restart loads the latest checkpoint and seeks to its offsets: steps after the
-checkpoint are redone and their keys sent again, so the newest record per key
-(:func:`trained_batches`) is the checkpointed history, in which every group is
-trained exactly once.
+checkpoint are redone. A version number is never reused for other weights: when
+versions above the checkpoint's were already published (in the store) or recorded
+(on ``trained``) by the steps lost, the checkpoint's weights become the next free
+version ``u + 1`` and are published at once (:meth:`Trainer.renumber`), the redone
+steps follow from ``u + 2``, and versions ``c + 1 .. u`` stay as they were, off the
+lineage: their groups are dropped as stale by the serving stage and their records
+left out by :func:`trained_batches`, so in the history every group is trained exactly
+once. ``steps`` counts the steps of the lineage, so the final version is ``steps``
+plus the versions such resumes skipped.
 
 With ``trainer.ranks`` N > 1 (under torchrun) this class runs on rank 0 only: it alone reads the bus,
 and it sends each rank-wide action (restore, train on a batch, checkpoint, stop) to the other ranks,
@@ -51,9 +57,9 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 
 
-def trained_batches(bus: Bus, names: TopicNames, policy: str, timeout_s: float = 30.0) -> list[TrainedBatch]:
-    """What ``policy``'s trainer trained, step by step: the newest :class:`TrainedBatch` per version on
-    ``names.trained``, sorted by version (a step redone after a restart counts once, as retrained).
+def recorded_batches(bus: Bus, names: TopicNames, policy: str, timeout_s: float = 30.0) -> dict[int, TrainedBatch]:
+    """Every version of ``policy`` recorded on ``names.trained`` -> its newest :class:`TrainedBatch`, off the
+    lineage or not.
 
     Raises:
         topics.bus.BusError: the topic does not exist, or was not read within ``timeout_s`` seconds.
@@ -63,14 +69,28 @@ def trained_batches(bus: Bus, names: TopicNames, policy: str, timeout_s: float =
         latest = follower.read_to_end(timeout_s)
     finally:
         follower.close()
-    return sorted((b for b in latest.values() if b.policy == policy), key=lambda b: b.version)
+    return {b.version: b for b in latest.values() if b.policy == policy}
+
+
+def trained_batches(bus: Bus, names: TopicNames, policy: str, timeout_s: float = 30.0) -> list[TrainedBatch]:
+    """What ``policy``'s trainer trained, step by step, on the lineage of its newest weights: the newest
+    :class:`TrainedBatch` per version on ``names.trained``, sorted by version, leaving out versions
+    ``c + 1 .. r - 1`` of each renumbering record (``base_version`` ``c``, version ``r``: steps lost with
+    a killed trainer and redone; see the module docstring). A renumbering record (no groups) is kept.
+
+    Raises:
+        topics.bus.BusError: the topic does not exist, or was not read within ``timeout_s`` seconds.
+    """
+    recorded = recorded_batches(bus, names, policy, timeout_s)
+    off = [(b.base_version, b.version) for b in recorded.values() if b.base_version is not None]
+    return [recorded[v] for v in sorted(recorded) if not any(c < v < r for c, r in off)]
 
 
 @dataclass
 class ServiceConfig:
     """How the trainer process runs (sizes in groups/samples, times in seconds).
 
-    ``steps``: stop once the trainer reaches this version. ``idle_exit_s``: also
+    ``steps``: stop after this many steps on the lineage (:attr:`TrainerService.steps_done`). ``idle_exit_s``: also
     stop after this long without data (None: wait forever). ``barrier_peers``:
     lockstep coupling with these policies (peer -> its ``steps``; see
     :class:`trainer.coupling.VersionBarrier`); None: independent. ``checkpoint_every``:
@@ -136,6 +156,7 @@ class TrainerService:
                                    console=cfg.console, jsonl_path=self.run_dir / "metrics.jsonl")
         self.barrier = VersionBarrier(self.bus, self.names, cfg.barrier_peers) if cfg.barrier_peers else None
         self._pending: list[TrainedBatch] = []  # steps since the last checkpoint
+        self._renumbered: list[tuple[int, int]] = []  # (checkpoint version, its new number), oldest first
         self._committed: dict = {}
         self._store_logged = 0.0
         self._publish_alerted: tuple[int, int | None] = (0, None)  # (publish errors, version while failing)
@@ -152,6 +173,40 @@ class TrainerService:
             self._committed = self.serving.offsets_to_commit()
             if self.replay is not None and "replay" in ckpt.policies:
                 self.replay.load_state_dict(ckpt.policies["replay"])
+            self._renumbered = list(ckpt.renumbered)
+        base, newest = self.trainer.version, self._newest_used_version()
+        if newest > base:
+            version = newest + 1
+            self._command("renumber", version)
+            self.trainer.renumber(version, self.serving.consumed())
+            self._renumbered.append((base, version))
+            self._pending.append(TrainedBatch(policy=self.config.trainer.policy, version=version, base_version=base,
+                                              group_ids=[]))
+            log.warning("trainer %s: resumed at version %d, and versions %d..%d were already published or recorded "
+                        "by steps lost since: they keep their weights, off the lineage (groups rolled out on them "
+                        "are dropped as stale); the checkpoint's weights are version %d, the redone steps follow",
+                        self.config.trainer.policy, base, base + 1, newest, version)
+        self.serving.off_lineage = [(c + 1, r - 1) for c, r in self._renumbered]
+
+    def _newest_used_version(self) -> int:
+        """The newest version of this policy in the weight store or on ``trained`` (0: none): every version up to
+        it may have been seen, so none of them is used again.
+
+        Raises:
+            weights.store.StoreError: the store could not be listed for 180 s (the publisher retries).
+            topics.bus.BusError: ``trained`` was not read within the bus patience.
+        """
+        policy = self.config.trainer.policy
+        publisher = self.trainer.publisher
+        stored = publisher.newest_stored_version() if publisher is not None else None
+        recorded = patiently(f"trainer.{policy}: read {self.names.trained}",
+                             lambda: recorded_batches(self.bus, self.names, policy), log=log)
+        return max([stored or 0, *recorded])
+
+    @property
+    def steps_done(self) -> int:
+        """Steps on the lineage of the current weights: :attr:`Trainer.version` less the versions skipped."""
+        return self.trainer.version - sum(r - c for c, r in self._renumbered)
 
     def checkpoint(self) -> Path:
         """Send the trained batches to ``trained`` (acknowledged), write the checkpoint atomically, then
@@ -171,29 +226,29 @@ class TrainerService:
             path = save_distributed_checkpoint(
                 self.run_dir / CHECKPOINTS, version=self.trainer.version, backend=self.trainer.backend,
                 model=self.trainer.model, offsets=offsets, serving=self.serving.state_dict(), policies=policies,
-                keep=self.config.keep_checkpoints)
+                renumbered=self._renumbered, keep=self.config.keep_checkpoints)
         else:
             path = save_checkpoint(
                 self.run_dir / CHECKPOINTS, version=self.trainer.version, model=self.trainer.model,
                 optimizer=self.trainer.optimizer, offsets=offsets, serving=self.serving.state_dict(),
-                policies=policies, keep=self.config.keep_checkpoints)
+                policies=policies, renumbered=self._renumbered, keep=self.config.keep_checkpoints)
         self._pending.clear()
         self.serving.commit(offsets)
         self._committed = offsets
         return path
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
-        """Train until ``steps`` versions, ``idle_exit_s`` without data, or ``stop`` is set
-        (then the step in hand finishes and a checkpoint commits it); returns a summary.
+        """Train until ``steps`` steps on the lineage (:attr:`steps_done`), ``idle_exit_s`` without data, or
+        ``stop`` is set (then the step in hand finishes and a checkpoint commits it); returns a summary.
 
         Returns:
-            {"version", "steps_run", "dropped_stale", "duplicates", "wall_s"}.
+            {"version", "steps_run" (steps this process ran), "dropped_stale", "duplicates", "wall_s"}.
         """
         cfg = self.config
         start = time.perf_counter()
         steps_run, last_data = 0, time.monotonic()
         try:
-            while self.trainer.version < cfg.steps and not (stop is not None and stop.is_set()):
+            while self.steps_done < cfg.steps and not (stop is not None and stop.is_set()):
                 self._report_publish_errors()
                 if self._store_behind():
                     self.report_progress()
@@ -330,8 +385,8 @@ def run_follower(config: ServiceConfig) -> dict[str, Any]:
     """The loop of a rank other than 0 of a multi-rank trainer (``trainer.ranks > 1``, under torchrun).
 
     It never touches the bus: it loads the model, then does what rank 0's :class:`TrainerService` sends
-    (``restore`` a checkpoint path or None, ``train`` a batch, ``checkpoint``, ``stop``), joining each
-    collective. Every rank trains on the same groups, so all versions and shuffles agree.
+    (``restore`` a checkpoint path or None, ``renumber`` the weights, ``train`` a batch, ``checkpoint``,
+    ``stop``), joining each collective. Every rank trains on the same groups, so all versions and shuffles agree.
 
     Returns:
         {"version", "steps_run", "rank"} once rank 0 sends ``stop``.
@@ -350,6 +405,8 @@ def run_follower(config: ServiceConfig) -> dict[str, Any]:
         if command == "restore":
             if args[0] is not None:
                 trainer.restore(load_checkpoint(Path(args[0])))
+        elif command == "renumber":
+            trainer.renumber(args[0])
         elif command == "train":
             groups, version = args
             if version != trainer.version:

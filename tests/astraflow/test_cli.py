@@ -21,6 +21,8 @@ from astraflow.launcher import EXIT_BAD_INPUT
      "policy 'replay': 2 serving policies given; the serving stage takes one (policies.actor.serving)"),
     ("policies.actor.serving=[{name: replay, ratio: 1.5}]",
      "policy 'replay', parameter 'ratio': must be in [0, 1), got 1.5 (policies.actor.serving)"),
+    ("policies.actor.serving=[{name: replay, ratio: 0.5, max_staleness: 8}]",  # the example's bound is 4
+     "policies.actor: serving[0].max_staleness 8 is above max_staleness 4: a serving policy obeys the policy's bound"),
     ("policies.actor.model=/nonexistent", "/nonexistent is not an HF model directory"),
     ("data.sources=[{name: nosuchdataset}]", "unknown prompt source 'nosuchdataset': neither a built-in"),
     ("bus=kafka://127.0.0.1:1", "cannot use bus kafka://127.0.0.1:1: cannot reach Kafka at 127.0.0.1:1"),

@@ -119,3 +119,33 @@ def test_bad_batch_config_is_named(bus_url):
     bus = connect(bus_url)
     with pytest.raises(ValueError, match="exactly one of batch_groups or batch_samples"):
         ServingStage(bus.consumer("g"), bus.producer(), "t", "dl")
+
+
+def test_replayed_groups_obey_the_policys_bound(setup):
+    # issue 29: the replay pool had its own bound (8) whatever the policy's; replayed groups trained at staleness 5-8
+    bus, names, produce, stage = setup
+    replay = Replay(ratio=0.5, seed=0)  # no bound of its own: the policy's
+    s = stage(batch_groups=2, max_staleness=2, replay=replay)
+    served = []
+    for version in range(12):  # one fresh group per step, rolled out on the trainer's version
+        produce([group(version)])
+        batch = s.next_batch(version=version, timeout_s=10)
+        served += [(version, g.min_version, i >= len(batch.groups) - batch.replayed)
+                   for i, g in enumerate(batch.groups)]
+    s.consumer.close()
+    assert sum(replayed for *_, replayed in served) >= 5  # replay served groups ...
+    assert max(v - m for v, m, _ in served) == 2, served  # ... never past the policy's bound
+    assert replay.max_staleness == 2
+    with pytest.raises(ValueError, match="the serving policy's max_staleness 8 is above the policy's 2"):
+        stage(batch_groups=2, max_staleness=2, replay=Replay(ratio=0.5, max_staleness=8))
+
+
+def test_groups_rolled_out_off_the_lineage_are_dropped_as_stale(setup):
+    # a trainer resumed at version 4 after versions 5 and 6 were published: they are off its lineage
+    bus, names, produce, stage = setup
+    produce([group(v, gid=f"g{v}") for v in (3, 4, 5, 6, 7)], key="one")
+    s = stage(batch_groups=3, max_staleness=100)
+    s.off_lineage = [(5, 6)]
+    batch = s.next_batch(version=7, timeout_s=10)
+    s.consumer.close()
+    assert [g.group_id for g in batch.groups] == ["g3", "g4", "g7"] and batch.dropped_stale == 2
