@@ -109,12 +109,13 @@ def test_arith_tiny_learns_with_every_rollout_on_vllm(tmp_path):
 @pytest.mark.slow
 def test_replay_serves_its_ratio_of_each_batch_within_its_bound(tmp_path):
     # ratio 0.5 of 16 groups: 8 fresh and up to 8 replayed per step (none at the first step: the pool is
-    # empty; fewer when the pool's servable groups run short). Fresh groups are at most 2 versions old
-    # (max_staleness 2) and the pool evicts groups more than 4 versions old, so no trained group is staler
-    # than 4; without the bound, step 20 could replay step 1's groups.
+    # empty; fewer when the pool's servable groups run short). The replay pool's bound is the policy's
+    # (max_staleness 4; a larger one is refused): fresh and replayed groups are at most 4 versions old;
+    # without the bound, step 20 could replay step 1's groups. RaaS runs one batch ahead (16 groups in flight),
+    # so fresh groups are trained young and stay servable from the pool for a few versions more.
     proc = astraflow("run", "examples/arith-tiny.yaml", f"run=replay{uuid.uuid4().hex[:8]}", f"run_dir={tmp_path}",
-                     "policies.actor.steps=20", "policies.actor.max_staleness=2",
-                     "policies.actor.serving=[{name: replay, ratio: 0.5, max_staleness: 4}]")
+                     "policies.actor.steps=20", "policies.actor.max_staleness=4", "raas.max_inflight_groups=16",
+                     "policies.actor.serving=[{name: replay, ratio: 0.5}]")
     summary_of(proc)
     steps = [json.loads(line) for line in (tmp_path / "trainer.actor" / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 20
