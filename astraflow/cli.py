@@ -196,6 +196,7 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from policies.registry import build_serving
     from topics.bus import connect
     from topics.names import TopicNames
+    from trainer.distributed import leave
     from trainer.service import ServiceConfig, TrainerService
     from weights.publisher import Publisher
     from weights.store import WeightStore
@@ -223,6 +224,7 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         from trainer.service import run_follower
 
         summary = run_follower(service_cfg)
+        leave()
         logging.getLogger(__name__).info("trainer.%s rank %d done: %s", policy, summary["rank"], summary)
         return
     publisher = Publisher(WeightStore(cfg.store, cfg.run), connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), policy,
@@ -233,6 +235,7 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     finally:
         publisher.close()
         service.close()
+    leave()
     print(json.dumps(summary), flush=True)
 
 

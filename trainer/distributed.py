@@ -99,6 +99,19 @@ def init(config: TrainerConfig) -> torch.device:
     return device
 
 
+def leave() -> None:
+    """Leave the process group after a run every rank finished: a barrier (no rank still has a collective in
+    flight), then ``destroy_process_group``. A process that exits with gloo's worker threads still holding work can
+    abort in interpreter teardown (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291),
+    which the launcher would take for a crash. Call it only when every rank got to the end: after a failure the
+    barrier would wait for a dead rank. Nothing without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     """``obj`` as rank ``src`` holds it, on every rank (pickled; a collective every rank must call).
     Without a process group, ``obj`` itself."""

@@ -74,7 +74,7 @@ def main(model_dir: str, out: str, ranks: str, backend: str = "torch", example: 
     torch.set_num_threads(1)
     import os
 
-    from trainer.distributed import collective_backend
+    from trainer.distributed import collective_backend, leave
 
     rank = int(os.environ.get("RANK", "0"))
     pub = Recorder() if rank == 0 else None
@@ -91,8 +91,7 @@ def main(model_dir: str, out: str, ranks: str, backend: str = "torch", example: 
                     "mp_param_dtype": None if policy is None else policy.param_dtype}, out)
     else:
         torch.save(metrics, f"{out}.rank{rank}")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":
