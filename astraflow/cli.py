@@ -545,7 +545,8 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from rich.table import Table
 
     from consumers.evaluation import DEFAULT_BENCHMARKS, LiveEvaluator, evaluate, load_benchmark, pull_newest
-    from producers.raas import make_engine
+    from producers.engines import EngineUpdateError
+    from producers.raas import standalone_engine
     from producers.sources import SourceError
     from topics.bus import connect
     from weights.puller import WeightsUnavailable
@@ -580,21 +581,18 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
             typer.echo(f"benchmark {name!r} has no well-formed prompts", err=True)
             raise typer.Exit(2)
         prompts += found
-    engine = make_engine(cfg, policy)
     kwargs = dict(k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
-    try:
+    stop = _component_setup(f"eval.{policy}", cfg) if live else None
+    with standalone_engine(cfg, policy, cfg.run_dir) as engine:
         if live:
-            stop = _component_setup(f"eval.{policy}", cfg)
             LiveEvaluator(connect(cfg.bus, cfg.kafka), cfg.store, cfg.run, policy, engine, prompts, **kwargs).run(stop)
             return
         try:
             pull_newest(engine, cfg.store, cfg.run, policy)
-        except (WeightsUnavailable, StoreError) as e:
+        except (WeightsUnavailable, StoreError, EngineUpdateError) as e:
             typer.echo(f"cannot load the newest weights of {policy!r}: {e}", err=True)
             raise typer.Exit(1)
         result = evaluate(engine, prompts, **kwargs)
-    finally:
-        getattr(engine, "close", lambda: None)()  # stops a launched SGLang server
     table = Table("benchmark", "n", "k", "pass@1 (avg@k)", "± stderr",
                   title=f"{policy} v{result.version}, T={temperature}")
     for name, b in result.benchmarks.items():

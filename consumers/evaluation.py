@@ -202,11 +202,12 @@ def load_benchmark(name: str, limit: int | None = None) -> list[Prompt]:
 
 
 def pull_newest(engine: Engine, store_uri: str, run: str, policy: str) -> int:
-    """Load the newest version of ``policy`` found in the weight store into ``engine``.
+    """Load the newest version of ``policy`` found in the weight store into ``engine``
+    (:meth:`producers.engine_sync.EngineSync.update`, as RaaS updates its engines: changed tensors from a
+    verified host copy, or a server-side pull for vLLM).
 
-    The store listing decides (no bus needed); each object is verified on the way
-    (:class:`weights.puller.Puller`). With nothing published the engine keeps its
-    weights.
+    The store listing decides (no bus needed); each object is verified on the way. With nothing published the
+    engine keeps its weights.
 
     Returns:
         The engine's version afterwards (0: the base model).
@@ -214,17 +215,14 @@ def pull_newest(engine: Engine, store_uri: str, run: str, policy: str) -> int:
     Raises:
         weights.puller.WeightsUnavailable: the newest version cannot be reconstructed.
         weights.store.StoreError: the store cannot be listed.
+        producers.engines.EngineUpdateError: the engine could not load it.
     """
+    from producers.engine_sync import EngineSync
     from topics.names import TopicNames
     from weights.puller import Puller
     from weights.store import WeightStore
 
-    store = WeightStore(store_uri, run)
-    versions = store.versions(policy)
-    if versions and max(versions) > engine.version:
-        Puller(store, None, TopicNames(run), policy, on_update=lambda s, v: engine.load_weights(s, v)).sync(
-            max(versions))
-    return engine.version
+    return EngineSync(engine, Puller(WeightStore(store_uri, run), None, TopicNames(run), policy)).update()
 
 
 class LiveEvaluator:
@@ -249,6 +247,7 @@ class LiveEvaluator:
 
     def __init__(self, bus: Bus, store_uri: str, run: str, policy: str, engine: Engine, prompts: Sequence[Prompt],
                  on_result: Callable[[EvalResult], None] | None = None, **eval_kwargs) -> None:
+        from producers.engine_sync import EngineSync
         from topics.names import TopicNames
         from weights.puller import Puller
         from weights.store import WeightStore
@@ -257,21 +256,21 @@ class LiveEvaluator:
         bus.admin().ensure_run_topics(self.names, [policy])  # idempotent; eval may start before the run
         self.component = f"eval.{policy}"
         self.on_result, self.eval_kwargs = on_result, eval_kwargs
-        self.puller = Puller(WeightStore(store_uri, run), bus, self.names, policy,
-                             on_update=lambda s, v: engine.load_weights(s, v))
+        self.puller = Puller(WeightStore(store_uri, run), bus, self.names, policy)
+        self.sync = EngineSync(engine, self.puller)
         self.producer = bus.producer()
         self.evaluated: set[int] = set()
 
     def step(self, poll_s: float = 1.0) -> EvalResult | None:
         """One loop: pull the newest version and evaluate it if new; returns the result or None."""
+        from producers.engines import EngineUpdateError
         from weights.puller import WeightsUnavailable
 
-        newest = self.puller.poll(timeout_s=poll_s)
-        if newest is not None and newest > self.engine.version:
-            try:
-                self.puller.sync(newest)
-            except WeightsUnavailable as e:
-                log.warning("%s: %s", self.component, e)
+        self.puller.poll(timeout_s=poll_s)
+        try:
+            self.sync.update()  # the newest announced version that is in the store
+        except (WeightsUnavailable, EngineUpdateError) as e:
+            log.warning("%s: %s", self.component, e)
         if self.engine.version in self.evaluated:
             return None
         result = evaluate(self.engine, self.prompts, progress=False, **self.eval_kwargs)

@@ -22,7 +22,9 @@ Interruption: an engine's :attr:`Engine.interrupt` event, once set, stops
 generation is ever used. :class:`~producers.sglang_engine.SGLangEngine` ignores it (a request runs to
 its end).
 
-Weight updates: :meth:`Engine.load_weights` either loads the new weights and moves
+Weight updates go through :class:`producers.engine_sync.EngineSync` for every engine: it hands an engine either
+the changed tensors of a verified host copy (:meth:`Engine.load_weights`) or, for an engine whose server reads the
+store itself (:attr:`Engine.pulls_from_store`), the version to pull. Either loads the new weights and moves
 :attr:`Engine.version`, or raises and keeps the old version (:class:`EngineUpdateError` when the
 engine could not load them, e.g. its server refused or could not be reached).
 """

@@ -45,14 +45,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 from astraflow.config import RunConfig
 from astraflow.models import resolve_model
 from producers.engine_batcher import EngineBatcher
+from producers.engine_sync import EngineSync
 from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, SamplingParams
 from producers.hf_engine import HFEngine
 from producers.prompt_ledger import PromptLedger
@@ -70,13 +73,14 @@ from weights.store import WeightStore
 log = logging.getLogger(__name__)
 
 
-def make_engine(cfg: RunConfig, policy: str) -> Engine:
+def make_engine(cfg: RunConfig, policy: str, vllm_url: str | None = None) -> Engine:
     """The inference engine of ``policy``: HFEngine (CPU default); SGLangEngine, which attaches to
     ``sglang.url`` or launches a server on ``sglang.port`` (None: a free port) with ``sglang.launch_args``;
-    or VLLMEngine, a client of the server at ``vllm.url`` (or the one ``astraflow run`` started).
+    or VLLMEngine, a client of the server at ``vllm_url`` (a server this process started), else ``vllm.url``
+    (or the one ``astraflow run`` started).
 
     Raises:
-        ValueError: ``engine: vllm`` without ``vllm.url``.
+        ValueError: ``engine: vllm`` without a server's URL.
     """
     pc = cfg.policies[policy]
     if pc.engine == "sglang":
@@ -88,11 +92,41 @@ def make_engine(cfg: RunConfig, policy: str) -> Engine:
     if pc.engine == "vllm":
         from producers.vllm_engine import VLLMEngine
 
-        if pc.vllm.server is None:
+        url = vllm_url or pc.vllm.server
+        if url is None:
             raise ValueError(f"policies.{policy}.vllm.url is not set: a RaaS worker started by hand needs the URL of "
                              "a running server (`astraflow run` starts one and tells its workers)")
-        return VLLMEngine(pc.vllm.server, resolve_model(pc.model), startup_timeout_s=pc.vllm.startup_timeout_s)
+        return VLLMEngine(url, resolve_model(pc.model), startup_timeout_s=pc.vllm.startup_timeout_s)
     return HFEngine(resolve_model(pc.model))
+
+
+@contextlib.contextmanager
+def standalone_engine(cfg: RunConfig, policy: str, log_dir: Path) -> Iterator[Engine]:
+    """The engine of ``policy`` for a process outside ``astraflow run`` (``astraflow eval``): :func:`make_engine`'s;
+    for ``engine: vllm`` without ``vllm.url``, a vLLM server of its own as ``astraflow run`` would start it (the
+    policy's ``vllm`` settings, in the dtype the trainer publishes, its log ``log_dir/eval-vllm.<policy>.log``),
+    waited for up to ``vllm.startup_timeout_s``. Closed (a started server stopped) on exit.
+
+    Raises:
+        RuntimeError: the started server did not become healthy (the message carries its log's tail).
+    """
+    pc = cfg.policies[policy]
+    with contextlib.ExitStack() as stack:
+        url = None
+        if pc.engine == "vllm" and pc.vllm.url is None:
+            from producers.vllm_server import VLLMServer
+
+            log_dir.mkdir(parents=True, exist_ok=True)
+            server = stack.enter_context(VLLMServer(
+                resolve_model(pc.model), log_dir / f"eval-vllm.{policy}.log", dtype=pc.trainer.param_dtype,
+                max_model_len=pc.vllm.max_model_len, extra=pc.vllm.args, python=pc.vllm.python,
+                port=pc.vllm.port, kv_cache_gib=pc.vllm.kv_cache_gib))
+            log.info("started a vLLM server for %s at %s (log %s)", policy, server.url, server.log_path)
+            server.wait_healthy(pc.vllm.startup_timeout_s)
+            url = server.url
+        engine = make_engine(cfg, policy, vllm_url=url)
+        stack.callback(getattr(engine, "close", lambda: None))  # a launched SGLang server is stopped too
+        yield engine
 
 
 def make_tools(cfg: RunConfig) -> dict[str, Tool]:
@@ -143,7 +177,8 @@ class RaasWorker:
         self.engines = {p: make_engine(cfg, p) for p in self.policies}
         self.context = {p: context_length(resolve_model(cfg.policies[p].model)) for p in self.policies}
         store = WeightStore(cfg.store, cfg.run)
-        self.pullers = {p: Puller(store, self.bus, self.names, p) for p in self.policies}  # sync_weights loads
+        self.pullers = {p: Puller(store, self.bus, self.names, p) for p in self.policies}
+        self.syncs = {p: EngineSync(self.engines[p], self.pullers[p]) for p in self.policies}  # sync_weights uses
         self._pulls: dict[str, threading.Thread] = {}  # policy -> the thread bringing its puller's copy forward
         self._pull_errors: dict[str, Exception] = {}  # policy -> why its last pull failed
         self.sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens,
@@ -180,36 +215,36 @@ class RaasWorker:
     # -- weights and backpressure ---------------------------------------------------------
     def sync_weights(self) -> None:
         """Bring each policy's engine towards its newest durable version (announced and in the store),
-        without holding rollout up for the transfer.
+        without holding rollout up for the transfer, through the policy's
+        :class:`~producers.engine_sync.EngineSync` (the contract every engine is updated by).
 
-        A policy's puller is brought forward (download, decode, verify into its host copy) in a thread of
-        its own while this worker rolls out with the weights its engine has; a later call hands the
-        new copy to the engine (:meth:`~producers.engines.Engine.load_weights`) on the engine's thread
-        (:meth:`~producers.engine_batcher.EngineBatcher.submit`), so it is loaded between two engine
-        calls, under the episodes in flight, and the next pull starts once it is loaded. Over a slow link
-        (a worker in another region) a pull takes seconds of round trips that generation now overlaps;
-        the staleness rules (:meth:`pause_reason`) still judge the engine's version, the one rolled out.
-        A vLLM server that reads the store itself is told to pull on the engine's thread the same way.
-        Nothing here waits on the store: the listing that finds the newest durable version waits at most
+        A policy's host copy is brought forward (:meth:`~producers.engine_sync.EngineSync.fetch`: download,
+        decode, verify) in a thread of its own while this worker rolls out with the weights its engine has; a
+        later call hands the changed tensors to the engine (:meth:`~producers.engine_sync.EngineSync.load`) on
+        the engine's thread (:meth:`~producers.engine_batcher.EngineBatcher.submit`), so they are loaded between
+        two engine calls, under the episodes in flight, and the next fetch starts once they are loaded. An engine
+        whose server reads the store itself (vLLM) is told to pull on the engine's thread the same way. Over a
+        slow link (a worker in another region) a pull takes seconds of round trips that generation now
+        overlaps; the staleness rules (:meth:`pause_reason`) still judge the engine's version, the one rolled
+        out. Nothing here waits on the store: the listing that finds the newest durable version waits at most
         a second (:meth:`~weights.puller.Puller.newest_durable`), so a store that hangs leaves rollout
         going on the weights it has, with a warning within
         :attr:`~weights.puller.Puller.STORE_PATIENCE_S` seconds.
 
         Failures are logged and retried at a later call: the store could not serve the version
         (:class:`WeightsUnavailable`), or the engine could not load it (:class:`EngineUpdateError`; the
-        puller's copy has moved on, and the next call hands it to the engine again).
+        host copy has moved on, and the next call hands its changed tensors to the engine again).
         """
-        for p, puller in self.pullers.items():
-            puller.poll()
-            engine = self.engines[p]
+        for p, sync in self.syncs.items():
+            sync.puller.poll()
+            engine = sync.engine
             if p in self._loads:
                 loading, version = self._loads[p]
                 if not loading.done():
-                    continue  # the engine takes the copy between two calls: the puller's copy must hold still
+                    continue  # the engine takes the copy between two calls: the host copy must hold still
                 del self._loads[p]
                 try:
                     loading.result()
-                    puller.changed = set()
                     log.info("%s: policy %s now at version %d", self.id, p, engine.version)
                 except (WeightsUnavailable, EngineUpdateError) as e:
                     log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p, e)
@@ -221,26 +256,25 @@ class RaasWorker:
                 if p in self._pull_errors:
                     log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p,
                                 self._pull_errors.pop(p))
-            if puller.version is not None and puller.version > engine.version:
-                self._loads[p] = (self.batchers[p].submit(engine.load_weights, puller.state, puller.version),
-                                  puller.version)
+            ready = sync.loadable()
+            if ready is not None:
+                self._loads[p] = (self.batchers[p].submit(sync.load, ready), ready)
                 continue
-            newest = puller.newest_durable()
-            if newest is None or newest <= max(engine.version, puller.version or 0):
+            newest = sync.newest()
+            if newest is None or newest <= max(engine.version, sync.puller.version or 0):
                 continue
-            if engine.pulls_from_store:  # the vLLM server reads the store itself, on the engine's thread
-                self._loads[p] = (self.batchers[p].submit(engine.pull, self.cfg.store, self.cfg.run, p, newest,
-                                                          puller.announced[newest].sha256), newest)
+            if sync.pulls_itself:  # the server reads the store itself, on the engine's thread
+                self._loads[p] = (self.batchers[p].submit(sync.load, newest), newest)
                 continue
-            self._pulls[p] = threading.Thread(target=self._pull, args=(p, newest), daemon=True,
+            self._pulls[p] = threading.Thread(target=self._fetch, args=(p, newest), daemon=True,
                                               name=f"{self.id}-pull-{p}")
             self._pulls[p].start()
 
-    def _pull(self, policy: str, version: int) -> None:
-        """The body of a pull thread: bring ``policy``'s puller to ``version``; a failure is kept for
+    def _fetch(self, policy: str, version: int) -> None:
+        """The body of a pull thread: bring ``policy``'s host copy to ``version``; a failure is kept for
         :meth:`sync_weights` to log."""
         try:
-            self.pullers[policy].sync(version)
+            self.syncs[policy].fetch(version)
         except Exception as e:  # WeightsUnavailable, or anything unexpected: logged by sync_weights, retried
             self._pull_errors[policy] = e
 

@@ -114,25 +114,30 @@ class VLLMEngine(Engine):
             out.append(Generation(output_ids=ids, logprobs=logps, finish_reason=reason, version=version))
         return out
 
-    def pull(self, store_uri: str, run: str, policy: str, version: int, sha256: str) -> None:
+    def pull(self, store_uri: str, run: str, policy: str, version: int, sha256: str | None) -> None:
         """Have the server load ``version`` of ``policy`` from the weight store itself (its worker extension's
-        ``astraflow_pull``: the Puller's planner, verified against ``sha256``, only changed layers loaded), then
+        ``astraflow_pull``: the Puller's planner, each object verified, only changed layers loaded), then
         reset its prefix cache and set :attr:`version`.
+
+        Args:
+            store_uri, run, policy, version: which weights.
+            sha256: the checksum the result must have (an announcement's); None: the objects' own checks stand
+                (offline evaluation, which reads the store without the bus), and the workers must agree.
 
         Raises:
             EngineUpdateError: the server could not reach or verify the version (it keeps its old weights), or a
-                worker reports another checksum than ``sha256``.
+                worker reports another checksum than ``sha256`` (or, without one, the workers disagree).
         """
         try:
             results = self._post("/collective_rpc", {"method": "astraflow_pull",
-                                                      "args": [store_uri, run, policy, str(version), sha256]})
+                                                      "args": [store_uri, run, policy, str(version), sha256 or ""]})
         except RuntimeError as e:
             raise EngineUpdateError(f"version {version} of {policy!r} not loaded by the server: {e}") from None
         sums = results.get("results", []) if isinstance(results, dict) else []
         errors = sorted({s for s in sums if str(s).startswith("error:")})
         if errors:
             raise EngineUpdateError(f"version {version} of {policy!r} not loaded by the server: {'; '.join(errors)}")
-        if not sums or any(s != sha256 for s in sums):
+        if not sums or any(s != (sha256 or sums[0]) for s in sums):
             raise EngineUpdateError(f"version {version} of {policy!r}: the server's workers report checksums {sums}, "
                                   f"the announcement says {sha256}")
         self._post("/reset_prefix_cache")

@@ -134,6 +134,7 @@ class VLLMServer:
         log_path: the server's stdout and stderr.
         python: the vLLM venv's interpreter (default: ``.venv-vllm/bin/python`` of this repository).
         port: default a free one.
+        kv_cache_gib: KV cache of the CPU backend, GiB (:func:`server_env`).
 
     Raises:
         FileNotFoundError: ``python`` does not exist (run ``scripts/install_vllm.sh``).
@@ -141,7 +142,7 @@ class VLLMServer:
 
     def __init__(self, model_dir: str | Path, log_path: Path, *, dtype: str = "float32",
                  max_model_len: int | None = None, extra: list[str] | tuple[str, ...] = (),
-                 python: str | Path | None = None, port: int | None = None):
+                 python: str | Path | None = None, port: int | None = None, kv_cache_gib: float = 1.0):
         python = Path(python) if python is not None else ROOT / ".venv-vllm" / "bin" / "python"
         if not python.exists():
             raise FileNotFoundError(f"no vLLM venv interpreter at {python}: run scripts/install_vllm.sh")
@@ -151,7 +152,7 @@ class VLLMServer:
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(server_argv(python, model_dir, self.port, dtype, max_model_len, extra),
                                      stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env=server_env(dict(os.environ)), start_new_session=True)
+                                     env=server_env(dict(os.environ), kv_cache_gib), start_new_session=True)
 
     def wait_healthy(self, timeout_s: float = 600.0) -> float:
         """Seconds until the server answered ``/health`` (see :func:`wait_healthy`; the message of a failure

@@ -107,7 +107,8 @@ class AstraflowWorkerExtension:
                 server's environment).
             run, policy: whose weights.
             version: the target version (a decimal string: collective_rpc passes strings).
-            sha256: the announcement's checksum (:func:`weights.codec.state_sha256`) the result must have.
+            sha256: the announcement's checksum (:func:`weights.codec.state_sha256`) the result must have; empty:
+                none is known (offline evaluation), the objects' own checks stand.
 
         Returns:
             The checksum of the host copy now loaded, verified equal to ``sha256``; or, when the version
@@ -147,8 +148,8 @@ class AstraflowWorkerExtension:
                 raise
 
         puller.on_update = hand_over
-        puller.sync(version, expect_sha256=sha256)
-        if puller.sha256 != sha256:
+        puller.sync(version, expect_sha256=sha256 or None)
+        if puller.version != version or (sha256 and puller.sha256 != sha256):
             raise RuntimeError(f"astraflow_pull: policy {policy!r} is at version {puller.version} "
                                f"(sha256 {puller.sha256}), not {version} ({sha256})")
         return puller.sha256

@@ -107,6 +107,11 @@ class Puller:
                                if bus is not None else None)
 
     @property
+    def follows_announcements(self) -> bool:
+        """True when this puller reads the bus's announcements (it was given a bus)."""
+        return self._announcements is not None
+
+    @property
     def newest(self) -> int | None:
         """The newest announced version (None before any announcement); older announcements than the
         loaded version are forgotten after each :meth:`sync`."""

@@ -92,7 +92,8 @@ def test_arith_tiny_learns_on_two_trainer_ranks(tmp_path):
 def test_arith_tiny_learns_with_every_rollout_on_vllm(tmp_path):
     """examples/arith-tiny-vllm.yaml: `astraflow run` starts a vLLM CPU server, every rollout is generated there, and
     the server pulls each version itself; every pull is checked against its announcement's checksum (a
-    mismatch is a "keeping version" warning in the worker's log)."""
+    mismatch is a "keeping version" warning in the worker's log). Then `astraflow eval` evaluates the finished
+    run's newest weights on a vLLM server of its own."""
     run = f"vllm{uuid.uuid4().hex[:8]}"
     s = summary_of(astraflow("run", "examples/arith-tiny-vllm.yaml", f"run={run}", f"run_dir={tmp_path}",
                              timeout=1500))
@@ -104,6 +105,14 @@ def test_arith_tiny_learns_with_every_rollout_on_vllm(tmp_path):
     updates = re.findall(r"policy actor now at version (\d+)", log)
     assert len(updates) >= 20 and int(updates[-1]) >= 190, updates[-5:]
     assert "keeping version" not in log and "HFEngine" not in log
+    # `astraflow eval` on the finished run: it starts a vLLM server of its own (the run's is gone), which pulls
+    # the newest stored version itself
+    ev = astraflow("eval", "examples/arith-tiny-vllm.yaml", f"run={run}", f"run_dir={tmp_path}", "--benchmark",
+                   "arith", "--limit", "8", "--k", "1", timeout=900)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    line = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert (line["policy"], line["version"], line["results"]["arith"]["n"]) == ("actor", 200, 8), line
+    assert (tmp_path / "eval-vllm.actor.log").stat().st_size > 0  # the server it started
 
 
 @pytest.mark.slow

@@ -300,6 +300,7 @@ def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(
     import concurrent.futures
 
     from producers.engine_batcher import EngineBatcher
+    from producers.engine_sync import EngineSync
     from producers.engines import Engine
     from producers.raas import RaasWorker
     from topics.names import TopicNames
@@ -327,12 +328,11 @@ def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(
     pub.close()
     assert not pub.errors
     engine = Flaky()
-    puller = Puller(store, None, names, "actor")
-    puller.newest_durable = lambda ttl_s=2.0: 1
+    puller = Puller(store, None, names, "actor")  # no bus: the newest version is the store listing's
     batcher = EngineBatcher(engine)
-    worker = SimpleNamespace(id="raas-0", pullers={"actor": puller}, engines={"actor": engine}, _pulls={},
+    worker = SimpleNamespace(id="raas-0", syncs={"actor": EngineSync(engine, puller)}, _pulls={},
                              _pull_errors={}, batchers={"actor": batcher}, _loads={})
-    worker._pull = lambda policy, version: RaasWorker._pull(worker, policy, version)
+    worker._fetch = lambda policy, version: RaasWorker._fetch(worker, policy, version)
     RaasWorker.sync_weights(worker)  # starts the pull
     worker._pulls["actor"].join(30)
     RaasWorker.sync_weights(worker)  # hands the copy to the engine, on the engine's thread

@@ -3,6 +3,7 @@ behaviour logprobs equal the trainer's recompute on the same weights, and a weig
 server itself from the store (a full snapshot, then a sparse delta), changes what it generates while parity
 holds; a wrong checksum is refused with the old weights kept."""
 import threading
+import time
 import uuid
 from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -192,3 +193,47 @@ def test_a_request_that_fails_as_the_worker_stops_is_an_interruption_not_an_erro
             engine.generate(batch, SAMPLING)
     finally:
         httpd.shutdown()
+
+
+@pytest.mark.slow
+def test_eval_and_live_eval_update_a_vllm_engine_through_the_one_sync_contract(server, tiny_model_dir, tmp_path):
+    """Offline eval (:func:`consumers.evaluation.pull_newest`: the store listing decides, no announcement, so no
+    checksum to hold the server to) and live eval (:class:`consumers.evaluation.LiveEvaluator`: the announced
+    checksum) both bring a vLLM engine to the newest version through EngineSync, the server pulling it itself;
+    before EngineSync they called ``load_weights``, which a vLLM engine refuses."""
+    from consumers.evaluation import LiveEvaluator, load_benchmark, pull_newest
+
+    run, store_uri = f"veval{uuid.uuid4().hex[:8]}", (tmp_path / "store").as_uri()
+    bus = connect(f"local://{tmp_path / 'bus'}")
+    names = TopicNames(run)
+    bus.admin().ensure_run_topics(names, ["actor"])
+    publisher = Publisher(WeightStore(store_uri, run), bus, names, "actor")
+    base = {k: v.detach().clone() for k, v in load_causal_lm(tiny_model_dir, "float32").state_dict().items()}
+    states = {1: perturbed(base, set(base), 0.5, seed=4)}
+    states[2] = perturbed(states[1], {"model.layers.0.mlp.up_proj.weight"}, 2.0, seed=5)
+    states[3] = perturbed(states[2], {"model.layers.1.self_attn.q_proj.weight"}, 2.0, seed=6)
+    for version in (1, 2):
+        publisher.publish(states[version], version)
+        assert publisher.wait(60)
+
+    offline = VLLMEngine(server.url, tiny_model_dir, startup_timeout_s=60)
+    assert pull_newest(offline, store_uri, run, "actor") == 2
+    model = load_causal_lm(tiny_model_dir, "float32")
+    model.load_state_dict(states[2])
+    batch = [prompt_ids(offline.tokenizer, p) for p in PROMPTS]
+    assert max_gap(model, batch, offline.generate(batch, SAMPLING)) < 1e-5
+    offline.close()
+
+    live = VLLMEngine(server.url, tiny_model_dir, startup_timeout_s=60)
+    evaluator = LiveEvaluator(bus, store_uri, run, "actor", live, load_benchmark("arith", 4), k=1, max_new_tokens=4)
+    assert evaluator.step(poll_s=5.0).version == 2
+    publisher.publish(states[3], 3)
+    assert publisher.wait(60)
+    publisher.close()
+    deadline = time.monotonic() + 60
+    while live.version < 3 and time.monotonic() < deadline:
+        evaluator.step(poll_s=1.0)
+    assert live.version == 3 and evaluator.evaluated == {2, 3}
+    model.load_state_dict(states[3])
+    assert max_gap(model, batch, live.generate(batch, SAMPLING)) < 1e-5
+    live.close()
