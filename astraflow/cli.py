@@ -51,9 +51,9 @@ def _admin(cfg):
 def _component_setup(name: str, cfg) -> threading.Event:
     """Logging for a component process, the run's topics (created if missing, so components can start
     in any order on any machine), and a stop event set by SIGTERM / SIGINT, and also, in a component
-    that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launcher.watch_launcher`). SIGUSR1
+    that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launched.watch_launcher`). SIGUSR1
     writes every thread's stack to the log (:func:`faulthandler.register`). The process first pins itself to the CPUs the launcher placed it on (:func:`astraflow.placement.apply_placement`)."""
-    from astraflow.launcher import watch_launcher
+    from astraflow.launched import watch_launcher
     from topics.names import TopicNames
 
     from astraflow.placement import apply_placement
@@ -83,7 +83,8 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     "wall_s"} ("interrupted" too after Ctrl-C or SIGTERM), where reward_first and reward_last are the mean
     training reward over the first and the last 20% of trainer steps; metrics.jsonl and reward_curve.png are
     written to the run directory. Exits 1 when the run did not complete, 2 when its config is refused."""
-    from astraflow.launcher import Launcher, preflight
+    from astraflow.launcher.preflight import preflight
+    from astraflow.launcher.run import Launcher
     from astraflow.tracker import TrackingUnavailable
     from topics.bus import BusError
 
@@ -112,7 +113,7 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     Remembers how far it got: a restart does not resend. A bad record is logged (path:line and why),
     written to `deadletter` and skipped; with `data.strict=true` it exits 3 (EXIT_BAD_INPUT) with that message
     instead, and `astraflow run` does not restart it (it would stop at the same record)."""
-    from astraflow.launcher import EXIT_BAD_INPUT
+    from astraflow.launched import EXIT_BAD_INPUT
     from producers.acquisition import acquire_run
     from producers.sources import SourceError
 
@@ -156,7 +157,7 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     """Run a policy's filter chain as a stream processor: `trajectories.<policy>` -> `samples.<policy>`
     (exactly-once on Kafka, at-least-once on the embedded bus). Start instances 0..N-1 to scale out:
     they share the partitions of consumer group `filter.<policy>`; SIGTERM stops one after its batch."""
-    from astraflow.launcher import policy_component
+    from astraflow.launched import policy_component
     from policies.base import Filter
     from policies.processor import FilterProcessor
     from policies.registry import build_chain
@@ -403,7 +404,7 @@ def search_server(
     FTS5) and GET /health, with seeded latency and faults. Prints `search server: serving URL (N documents)` once
     ready; runs until SIGTERM. `astraflow run` starts it as the component `search` when `tools.search` is set
     without a url. Exits 2 on a bad option, 3 on a bad corpus, 1 when the port cannot be bound."""
-    from astraflow.launcher import EXIT_BAD_INPUT, watch_launcher
+    from astraflow.launched import EXIT_BAD_INPUT, watch_launcher
     from producers.search_server import DEFAULT_CORPUS, Behaviour, SearchServer, serve
 
     try:
