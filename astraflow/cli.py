@@ -277,13 +277,11 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
     restarted later obeys it too. A pause for the workflow holds every worker whatever their own commands say."""
     from pydantic import ValidationError
 
-    from topics.bus import BusError, connect
-    from topics.codec import encode, headers_for
-    from topics.names import TopicNames
-    from topics.schemas import Control
+    from astraflow.worker_commands import ACTIONS, send_command, worker_command
+    from topics.bus import BusError
 
-    if action not in ("pause", "resume", "throttle"):
-        typer.echo(f"action {action!r}: one of pause, resume, throttle", err=True)
+    if action not in ACTIONS:
+        typer.echo(f"action {action!r}: one of {', '.join(ACTIONS)}", err=True)
         raise typer.Exit(2)
     if per_minute is not None and action != "throttle":
         typer.echo(f"--per-minute is for throttle, not {action}", err=True)
@@ -292,40 +290,20 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
         typer.echo(f"--worker {worker!r}: a worker's --worker-id, 1-64 letters, digits, '.', '_' or '-'", err=True)
         raise typer.Exit(2)
     cfg = _load(config, overrides)
-    component = f"raas.{cfg.workflow.name}" + (f"/raas-{worker}" if worker is not None else "")
     try:
-        msg = Control(component=component, action=action, value=per_minute, reason=reason or "astraflow control")
+        msg = worker_command(cfg.workflow.name, action, worker, per_minute, reason)
     except ValidationError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
-    names = TopicNames(cfg.run)
     try:
-        bus = connect(cfg.bus, cfg.kafka)
-        admin = bus.admin()
-        started = names.control in admin.list_topics()
-        members = admin.group_members(names.raas_group(cfg.workflow.name)) if started and worker is not None else {}
-        admin.ensure_run_topics(names, list(cfg.policies))
-        producer = bus.producer()
-        producer.send(names.control, encode(msg), key=msg.key(), headers=headers_for(msg))
-        producer.flush()
-        producer.close()
+        sent = send_command(cfg, msg, worker)
     except BusError as e:
         typer.echo(f"cannot send the command on bus {cfg.bus}: {e}", err=True)
         raise typer.Exit(1)
-    typer.echo(f"{component}: {action}" + (f" {per_minute} prompts/min" if per_minute
-                                           else " lifted" if action == "throttle" else ""))
-    # A command is kept for workers (and runs) that start later, so these are warnings, not errors: they catch
-    # a mistyped run= or --worker, whose command would otherwise wait silently for a run or worker that never comes.
-    if not started:
-        typer.echo(f"warning: run {cfg.run!r} has no topics on bus {cfg.bus} yet (no such run, or not started): "
-                   f"the command is kept for when it starts", err=True)
-    elif worker is not None:
-        # member ids: "<instance id> <member id>" on Kafka, "<client id>-<host>-<pid>-<hex>" on the embedded bus
-        ids = sorted(m.split(" ")[0] if " " in m else m for m in members)
-        if not any(i == f"raas-{worker}" or i.startswith(f"raas-{worker}-") for i in ids):
-            hint = f" (--worker takes the --worker-id: {worker[5:]} for {worker})" if worker.startswith("raas-") else ""
-            typer.echo(f"warning: --worker {worker}: no worker raas-{worker} is in the run's RaaS group now "
-                       f"(members: {', '.join(ids) or 'none'}){hint}: the command is kept for when it starts", err=True)
+    typer.echo(f"{msg.component}: {action}" + (f" {per_minute} prompts/min" if per_minute
+                                               else " lifted" if action == "throttle" else ""))
+    for warning in sent.warnings():
+        typer.echo(warning, err=True)
 
 
 @app.command()
