@@ -34,6 +34,8 @@ class Component:
 
     @property
     def kind(self) -> str:
+        """Its kind, the name up to the first ``.`` or ``-`` (``trainer``, ``policy``, ``raas``, ``vllm``, ...):
+        placement and supervision go by it."""
         return self.name.split(".")[0].split("-")[0]
 
 

@@ -33,7 +33,7 @@ class Launcher:
     """
 
     def __init__(self, cfg: RunConfig, config_path: Path, overrides: list[str], console: Console | None = None):
-        self.cfg, self.config_path, self.overrides = cfg, config_path, overrides
+        self.cfg = cfg
         self.console = console or Console(stderr=True)
         self.names = TopicNames(cfg.run)
         self.components = plan_components(cfg, config_path, overrides)
