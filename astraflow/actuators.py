@@ -1,7 +1,7 @@
 """Actuators: who carries the scaling controller's decisions out (``controller.actuator``).
 
 * ``local``: the launcher of ``astraflow run`` reads the target on ``control`` and starts or stops RaaS worker
-  processes itself (:meth:`astraflow.launcher.Launcher._scale_raas`); no class here.
+  processes itself (:meth:`astraflow.launcher.scaling.RaasScaler.scale`); no class here.
 * ``compose``: :class:`ComposeActuator` runs ``docker compose [-p PROJECT] -f FILE up -d --no-recreate --scale
   SERVICE=N SERVICE``: new replicas start, running ones are left alone, the newest ones stop on a scale down.
 * ``kubernetes``: :class:`KubernetesActuator` sets ``spec.replicas`` of the RaaS Deployment through its

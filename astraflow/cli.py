@@ -51,9 +51,9 @@ def _admin(cfg):
 def _component_setup(name: str, cfg) -> threading.Event:
     """Logging for a component process, the run's topics (created if missing, so components can start
     in any order on any machine), and a stop event set by SIGTERM / SIGINT, and also, in a component
-    that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launcher.watch_launcher`). SIGUSR1
+    that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launched.watch_launcher`). SIGUSR1
     writes every thread's stack to the log (:func:`faulthandler.register`). The process first pins itself to the CPUs the launcher placed it on (:func:`astraflow.placement.apply_placement`)."""
-    from astraflow.launcher import watch_launcher
+    from astraflow.launched import watch_launcher
     from topics.names import TopicNames
 
     from astraflow.placement import apply_placement
@@ -83,7 +83,8 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     "wall_s"} ("interrupted" too after Ctrl-C or SIGTERM), where reward_first and reward_last are the mean
     training reward over the first and the last 20% of trainer steps; metrics.jsonl and reward_curve.png are
     written to the run directory. Exits 1 when the run did not complete, 2 when its config is refused."""
-    from astraflow.launcher import Launcher, preflight
+    from astraflow.launcher.preflight import preflight
+    from astraflow.launcher.run import Launcher
     from astraflow.tracker import TrackingUnavailable
     from topics.bus import BusError
 
@@ -112,7 +113,7 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     Remembers how far it got: a restart does not resend. A bad record is logged (path:line and why),
     written to `deadletter` and skipped; with `data.strict=true` it exits 3 (EXIT_BAD_INPUT) with that message
     instead, and `astraflow run` does not restart it (it would stop at the same record)."""
-    from astraflow.launcher import EXIT_BAD_INPUT
+    from astraflow.launched import EXIT_BAD_INPUT
     from producers.acquisition import acquire_run
     from producers.sources import SourceError
 
@@ -156,7 +157,7 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     """Run a policy's filter chain as a stream processor: `trajectories.<policy>` -> `samples.<policy>`
     (exactly-once on Kafka, at-least-once on the embedded bus). Start instances 0..N-1 to scale out:
     they share the partitions of consumer group `filter.<policy>`; SIGTERM stops one after its batch."""
-    from astraflow.launcher import policy_component
+    from astraflow.launched import policy_component
     from policies.base import Filter
     from policies.processor import FilterProcessor
     from policies.registry import build_chain
@@ -279,13 +280,11 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
     restarted later obeys it too. A pause for the workflow holds every worker whatever their own commands say."""
     from pydantic import ValidationError
 
-    from topics.bus import BusError, connect
-    from topics.codec import encode, headers_for
-    from topics.names import TopicNames
-    from topics.schemas import Control
+    from astraflow.worker_commands import ACTIONS, send_command, worker_command
+    from topics.bus import BusError
 
-    if action not in ("pause", "resume", "throttle"):
-        typer.echo(f"action {action!r}: one of pause, resume, throttle", err=True)
+    if action not in ACTIONS:
+        typer.echo(f"action {action!r}: one of {', '.join(ACTIONS)}", err=True)
         raise typer.Exit(2)
     if per_minute is not None and action != "throttle":
         typer.echo(f"--per-minute is for throttle, not {action}", err=True)
@@ -294,40 +293,20 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
         typer.echo(f"--worker {worker!r}: a worker's --worker-id, 1-64 letters, digits, '.', '_' or '-'", err=True)
         raise typer.Exit(2)
     cfg = _load(config, overrides)
-    component = f"raas.{cfg.workflow.name}" + (f"/raas-{worker}" if worker is not None else "")
     try:
-        msg = Control(component=component, action=action, value=per_minute, reason=reason or "astraflow control")
+        msg = worker_command(cfg.workflow.name, action, worker, per_minute, reason)
     except ValidationError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
-    names = TopicNames(cfg.run)
     try:
-        bus = connect(cfg.bus, cfg.kafka)
-        admin = bus.admin()
-        started = names.control in admin.list_topics()
-        members = admin.group_members(names.raas_group(cfg.workflow.name)) if started and worker is not None else {}
-        admin.ensure_run_topics(names, list(cfg.policies))
-        producer = bus.producer()
-        producer.send(names.control, encode(msg), key=msg.key(), headers=headers_for(msg))
-        producer.flush()
-        producer.close()
+        sent = send_command(cfg, msg, worker)
     except BusError as e:
         typer.echo(f"cannot send the command on bus {cfg.bus}: {e}", err=True)
         raise typer.Exit(1)
-    typer.echo(f"{component}: {action}" + (f" {per_minute} prompts/min" if per_minute
-                                           else " lifted" if action == "throttle" else ""))
-    # A command is kept for workers (and runs) that start later, so these are warnings, not errors: they catch
-    # a mistyped run= or --worker, whose command would otherwise wait silently for a run or worker that never comes.
-    if not started:
-        typer.echo(f"warning: run {cfg.run!r} has no topics on bus {cfg.bus} yet (no such run, or not started): "
-                   f"the command is kept for when it starts", err=True)
-    elif worker is not None:
-        # member ids: "<instance id> <member id>" on Kafka, "<client id>-<host>-<pid>-<hex>" on the embedded bus
-        ids = sorted(m.split(" ")[0] if " " in m else m for m in members)
-        if not any(i == f"raas-{worker}" or i.startswith(f"raas-{worker}-") for i in ids):
-            hint = f" (--worker takes the --worker-id: {worker[5:]} for {worker})" if worker.startswith("raas-") else ""
-            typer.echo(f"warning: --worker {worker}: no worker raas-{worker} is in the run's RaaS group now "
-                       f"(members: {', '.join(ids) or 'none'}){hint}: the command is kept for when it starts", err=True)
+    typer.echo(f"{msg.component}: {action}" + (f" {per_minute} prompts/min" if per_minute
+                                               else " lifted" if action == "throttle" else ""))
+    for warning in sent.warnings():
+        typer.echo(warning, err=True)
 
 
 @app.command()
@@ -406,7 +385,7 @@ def search_server(
     FTS5) and GET /health, with seeded latency and faults. Prints `search server: serving URL (N documents)` once
     ready; runs until SIGTERM. `astraflow run` starts it as the component `search` when `tools.search` is set
     without a url. Exits 2 on a bad option, 3 on a bad corpus, 1 when the port cannot be bound."""
-    from astraflow.launcher import EXIT_BAD_INPUT, watch_launcher
+    from astraflow.launched import EXIT_BAD_INPUT, watch_launcher
     from producers.search_server import DEFAULT_CORPUS, Behaviour, SearchServer, serve
 
     try:

@@ -234,7 +234,7 @@ def start_search_server(median_s: float, seed: int, corpus: Path | None) -> tupl
 
     The URL function raises RuntimeError when the server exited, or did not say it serves within 120 s.
     """
-    from astraflow.launcher import LAUNCHER_PID_ENV
+    from astraflow.launched import LAUNCHER_PID_ENV
 
     cmd = [sys.executable, "-m", "astraflow", "search-server", "--port", "0", "--median-s", repr(median_s),
            "--p99-s", repr(median_s * P99_FACTOR), "--seed", str(seed),

@@ -16,7 +16,7 @@ Repetition r of every cell uses ``seed=r`` and ``data.shuffle_seed=r``: the cell
 same prompts in the same order and start from the same model.
 
 The **gain** of a run is the mean training reward over its last 20% of steps minus that over its first 20%
-(:func:`astraflow.launcher.reward_summary`, the figure ``astraflow run`` prints). Per cell the table gives the
+(:func:`astraflow.launcher.outputs.reward_summary`, the figure ``astraflow run`` prints). Per cell the table gives the
 gain (mean and the spread over repetitions) and the stability figures the trainer writes every step (means
 over the run): clipped or masked token fraction ``clipfrac``, importance ratio pi_theta/pi_behaviour
 ``is_ratio_mean/max/min``, KL to the behaviour policy ``behaviour_kl`` (k3 estimator), ``entropy``,
@@ -53,7 +53,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astraflow.launcher import reward_summary  # noqa: E402
+from astraflow.launcher.outputs import reward_summary  # noqa: E402
 from scripts.spread import describe, spread  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "arith-tiny.yaml"

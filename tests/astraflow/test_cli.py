@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from astraflow.cli import app
-from astraflow.launcher import EXIT_BAD_INPUT
+from astraflow.launched import EXIT_BAD_INPUT
 
 
 @pytest.mark.parametrize("override, message", [

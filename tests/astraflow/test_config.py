@@ -46,8 +46,9 @@ def test_loading_a_config_does_not_import_torch():
 def test_checking_a_run_config_does_not_import_torch(example):
     """``astraflow run`` checks its config (``preflight``) before it starts any component: importing torch and
     transformers there cost ~2 s of every run's start-up."""
-    code = ("import sys; from astraflow.config import load_config; from astraflow.launcher import preflight; "
-            "preflight(load_config(sys.argv[1])); print('torch' in sys.modules, 'transformers' in sys.modules)")
+    code = ("import sys; from astraflow.config import load_config; "
+            "from astraflow.launcher.preflight import preflight; preflight(load_config(sys.argv[1])); "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, f"examples/{example}.yaml"], capture_output=True, text=True,
                          check=True, cwd=ROOT)
     assert out.stdout.split() == ["False", "False"]

@@ -190,7 +190,7 @@ def test_the_launcher_follows_control_only_with_the_local_actuator(tmp_path, act
     """With compose or kubernetes the controller scales RaaS elsewhere: the launcher's own workers stay."""
     from pathlib import Path
 
-    from astraflow.launcher import Launcher
+    from astraflow.launcher.run import Launcher
 
     (tmp_path / "docker-compose.yml").write_text("services: {}\n")
     extra = [f"controller.compose_file={tmp_path / 'docker-compose.yml'}"] if actuator == "compose" else []
@@ -203,15 +203,14 @@ def test_the_launcher_follows_control_only_with_the_local_actuator(tmp_path, act
     producer.send(names.control, encode(msg), key=msg.component, headers=headers_for(msg))
     producer.flush()
     producer.close()
-    launcher = Launcher(cfg, Path("examples/arith-tiny.yaml"), [])
+    scaler = Launcher(cfg, Path("examples/arith-tiny.yaml"), []).scaler
     for _ in range(20):
-        launcher._read_target(bus)
-        if launcher.raas_target != 1:
+        scaler.read_target(bus)
+        if scaler.target != 1:
             break
         threading.Event().wait(0.05)
-    if launcher._control is not None:
-        launcher._control.close()
-    assert launcher.raas_target == want
+    scaler.close()
+    assert scaler.target == want
 
 
 @pytest.mark.slow

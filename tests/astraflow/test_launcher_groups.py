@@ -7,8 +7,12 @@ import sys
 import time
 from pathlib import Path
 
+from rich.console import Console
+
 from astraflow.config import load_config
-from astraflow.launcher import Component, Launcher
+from astraflow.launcher.plan import Component
+from astraflow.launcher.run import Launcher
+from astraflow.launcher.supervision import Supervisor
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,12 +28,11 @@ def _alive(pid: int) -> bool:
 def test_the_children_of_a_dead_component_are_killed_before_its_restart(tmp_path):
     example = ROOT / "examples" / "arith-tiny.yaml"
     cfg = load_config(example, [f"run_dir={tmp_path}"])
-    launcher = Launcher(cfg, example, [])
     pids = tmp_path / "children"
     script = f"sleep 300 & echo $! > {pids}; sleep 300 & echo $! >> {pids}; wait"
     comp = Component("trainer.actor", ["bash", "-c", script], tmp_path / "trainer.log")
-    launcher.components = [comp]
-    launcher._start(comp)
+    supervisor = Supervisor(cfg, [comp], Console(stderr=True))
+    supervisor.start(comp)
     deadline = time.monotonic() + 10
     while not (pids.exists() and len(pids.read_text().split()) == 2):
         assert time.monotonic() < deadline, "the shell did not start its children"
@@ -39,7 +42,7 @@ def test_the_children_of_a_dead_component_are_killed_before_its_restart(tmp_path
     os.kill(comp.proc.pid, signal.SIGKILL)  # the leader only, as a SIGKILL of torchrun is
     comp.proc.wait(timeout=10)
     assert all(_alive(p) for p in children)  # orphans: still running
-    assert launcher._supervise() == []  # reports the death, schedules the restart, kills the group
+    assert supervisor.supervise() == []  # reports the death, schedules the restart, kills the group
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in children):
         assert time.monotonic() < deadline, f"children {children} outlived their component"
@@ -47,14 +50,11 @@ def test_the_children_of_a_dead_component_are_killed_before_its_restart(tmp_path
     assert comp.restart_at is not None and comp.restarts == 1
 
 
-def test_the_watchdog_names_workers_held_by_an_operators_pause_or_throttle(tmp_path, monkeypatch):
+def test_the_watchdog_names_workers_held_by_an_operators_pause_or_throttle(tmp_path):
     """A trainer stalled because ``astraflow control`` paused or throttled the workers: the watchdog line names
     them (it said "no RaaS worker reports a pause", since ``paused`` is backpressure alone)."""
     import io
 
-    from rich.console import Console
-
-    import astraflow.launcher as launcher_mod
     from astraflow.monitor import RunMonitor
     from topics.bus import connect
     from topics.codec import encode, headers_for
@@ -79,12 +79,11 @@ def test_the_watchdog_names_workers_held_by_an_operators_pause_or_throttle(tmp_p
             assert time.monotonic() < deadline, "the metrics were not read"
             monitor.poll(0.5)
         assert monitor.controlled_workers() == {"raas-0": "paused", "raas-1": "throttled"}
-        launcher = Launcher(cfg, example, [])
         out = io.StringIO()
-        monkeypatch.setattr(launcher_mod, "console", Console(file=out, width=400))
-        launcher._watchdog(monitor)  # the version is seen
-        launcher._stall = {p: (v, s - 5, t - 5) for p, (v, s, t) in launcher._stall.items()}
-        launcher._watchdog(monitor)  # 5 s later, past watchdog_s
+        watchdog = Launcher(cfg, example, [], Console(file=out, width=400)).watchdog
+        watchdog.look(monitor)  # the version is seen
+        watchdog._stall = {p: (v, s - 5, t - 5) for p, (v, s, t) in watchdog._stall.items()}
+        watchdog.look(monitor)  # 5 s later, past watchdog_s
     finally:
         monitor.close()
     line = out.getvalue()
@@ -93,15 +92,13 @@ def test_the_watchdog_names_workers_held_by_an_operators_pause_or_throttle(tmp_p
         in line, line
 
 
-def test_a_filter_processor_whose_offsets_do_not_move_is_killed_as_wedged_after_its_bound(tmp_path, monkeypatch):
+def test_a_filter_processor_whose_offsets_do_not_move_is_killed_as_wedged_after_its_bound(tmp_path):
     """Records wait on ``trajectories.actor`` at committed offsets that have not moved for the bound
     (``step_deadline_s`` + ``FILTER_WEDGE_MARGIN_S``): the live filter processor (a real process) is killed. One
     started within the bound (a restart) is not, and neither is one whose group has nothing waiting."""
     import io
 
-    from rich.console import Console
-
-    import astraflow.launcher as launcher_mod
+    from astraflow.launcher.filter_wedge import FILTER_WEDGE_MARGIN_S, FilterWedgeWatch
     from astraflow.monitor import RunMonitor
     from topics.bus import connect
     from topics.names import TopicNames
@@ -112,30 +109,28 @@ def test_a_filter_processor_whose_offsets_do_not_move_is_killed_as_wedged_after_
     bus, names = connect(cfg.bus), TopicNames(cfg.run)
     bus.admin().ensure_run_topics(names, list(cfg.policies))
     monitor = RunMonitor(bus, names, list(cfg.policies), cfg.workflow.name)
-    launcher = Launcher(cfg, example, [])
     out = io.StringIO()
-    monkeypatch.setattr(launcher_mod, "console", Console(file=out, width=400))
+    console = Console(file=out, width=400)
     # a stand-in that, like every component, writes its stacks on SIGUSR1
     wedged = "import faulthandler, signal, time; faulthandler.register(signal.SIGUSR1, all_threads=True); " \
              "print('ready', flush=True); time.sleep(300)"
     comp = Component("policy.actor", [sys.executable, "-c", wedged], tmp_path / "policy.log")
-    launcher.components = [comp]
-    launcher._start(comp)
+    wedge = FilterWedgeWatch(cfg, names, [comp], console)
+    Supervisor(cfg, [comp], console).start(comp)
     deadline = time.monotonic() + 30
     while "ready" not in comp.log.read_text():
         assert time.monotonic() < deadline and comp.proc.poll() is None, "the stand-in did not start"
         time.sleep(0.05)
-    bound = 5 + launcher_mod.FILTER_WEDGE_MARGIN_S
+    bound = 5 + FILTER_WEDGE_MARGIN_S
 
     def look(waited_s: float) -> None:
         """One look, with the offsets last seen moving ``waited_s`` seconds ago."""
-        launcher._filter_looked = 0.0
-        launcher._filter_seen = {p: (offsets, time.monotonic() - waited_s)
-                                 for p, (offsets, _) in launcher._filter_seen.items()}
-        launcher._watch_filters(monitor)
+        wedge._looked = 0.0
+        wedge._seen = {p: (offsets, time.monotonic() - waited_s) for p, (offsets, _) in wedge._seen.items()}
+        wedge.look(monitor)
 
     try:
-        launcher._watch_filters(monitor)  # nothing waits: never a wedge
+        wedge.look(monitor)  # nothing waits: never a wedge
         comp.started_at -= 2 * bound
         look(2 * bound)
         assert comp.proc.poll() is None and "wedged" not in out.getvalue()
@@ -144,7 +139,7 @@ def test_a_filter_processor_whose_offsets_do_not_move_is_killed_as_wedged_after_
         for i in range(3):
             producer.send(names.trajectories("actor"), b"x", key=f"g{i}")
         producer.flush()
-        launcher._watch_filters(monitor)  # records wait: the clock starts
+        wedge.look(monitor)  # records wait: the clock starts
         comp.started_at = time.monotonic() - bound + 5  # (re)started within the bound
         look(2 * bound)
         assert comp.proc.poll() is None and "wedged" not in out.getvalue()

@@ -10,29 +10,29 @@ from pathlib import Path
 
 from rich.console import Console
 
-import astraflow.launcher as launcher_mod
+import astraflow.launcher.supervision as supervision
 from astraflow.config import load_config
-from astraflow.launcher import Component, Launcher
+from astraflow.launcher.plan import Component
+from astraflow.launcher.supervision import Supervisor
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launcher(tmp_path, monkeypatch, *components: Component) -> tuple[Launcher, io.StringIO]:
+def _supervisor(tmp_path, monkeypatch, *components: Component) -> tuple[Supervisor, io.StringIO]:
     example = ROOT / "examples" / "arith-tiny.yaml"
-    launcher = Launcher(load_config(example, [f"run_dir={tmp_path}"]), example, [])
-    launcher.components = list(components)
     out = io.StringIO()
-    monkeypatch.setattr(launcher_mod, "console", Console(file=out, width=200))
-    monkeypatch.setattr(launcher_mod, "RESTART_BACKOFF_S", (0.05, 0.4))
+    supervisor = Supervisor(load_config(example, [f"run_dir={tmp_path}"]), list(components),
+                            Console(file=out, width=200))
+    monkeypatch.setattr(supervision, "RESTART_BACKOFF_S", (0.05, 0.4))
     for c in components:
-        launcher._start(c)
-    return launcher, out
+        supervisor.start(c)
+    return supervisor, out
 
 
-def _supervise_until(launcher: Launcher, done, timeout_s: float = 30.0) -> list[Component]:
+def _supervise_until(supervisor: Supervisor, done, timeout_s: float = 30.0) -> list[Component]:
     deadline = time.monotonic() + timeout_s
     while not done():
-        failed = launcher._supervise()
+        failed = supervisor.supervise()
         if failed:
             return failed
         assert time.monotonic() < deadline, "supervision did not get there"
@@ -44,13 +44,13 @@ def test_a_component_killed_right_after_each_restart_is_restarted_every_time(tmp
     # 8 SIGKILLs, each as soon as the new process is up (it never got going): more than the old budget of
     # 5 restarts in a row, which failed the run ("used its 5 restarts in a row")
     comp = Component("raas-0", [sys.executable, "-c", "import time; time.sleep(300)"], tmp_path / "raas-0.log")
-    launcher, out = _launcher(tmp_path, monkeypatch, comp)
+    supervisor, out = _supervisor(tmp_path, monkeypatch, comp)
     gaps = []  # seconds from each SIGKILL to the new process
     try:
         for kill in range(8):
             pid, killed = comp.proc.pid, time.monotonic()
             os.kill(pid, signal.SIGKILL)
-            assert _supervise_until(launcher, lambda: comp.proc.pid != pid) == []
+            assert _supervise_until(supervisor, lambda: comp.proc.pid != pid) == []
             gaps.append(time.monotonic() - killed)
     finally:
         comp.proc.kill()
@@ -65,26 +65,26 @@ def test_a_component_killed_right_after_each_restart_is_restarted_every_time(tmp
 def test_a_component_that_cannot_start_fails_the_run_naming_it(tmp_path, monkeypatch):
     comp = Component("exporter", [sys.executable, "-c", "import sys; sys.exit('port 9400 in use')"],
                      tmp_path / "exporter.log")
-    launcher, out = _launcher(tmp_path, monkeypatch, comp)
-    failed = _supervise_until(launcher, lambda: False)
+    supervisor, out = _supervisor(tmp_path, monkeypatch, comp)
+    failed = _supervise_until(supervisor, lambda: False)
     assert failed == [comp]
-    tries = launcher_mod.MAX_START_FAILURES
+    tries = supervision.MAX_START_FAILURES
     assert comp.start_failures == tries and comp.restarts == tries - 1, (comp.start_failures, comp.restarts)
     text = " ".join(out.getvalue().split())
-    assert (f"exporter cannot start: it exited on its own {launcher_mod.MAX_START_FAILURES} times before any process "
-            f"of it ran {launcher_mod.STARTED_S:.0f} s (exit code 1") in text, text[-2000:]
+    assert (f"exporter cannot start: it exited on its own {supervision.MAX_START_FAILURES} times before any process "
+            f"of it ran {supervision.STARTED_S:.0f} s (exit code 1") in text, text[-2000:]
     assert "port 9400 in use" in text  # the log's tail says why
 
 
 def test_a_component_that_once_got_going_is_restarted_whatever_stops_it(tmp_path, monkeypatch):
     # a component that ran STARTED_S seconds once, then exits with an error at each start (e.g. the store is down
     # while it restarts): restarted for as long as the run goes
-    monkeypatch.setattr(launcher_mod, "STARTED_S", 0.5)
+    monkeypatch.setattr(supervision, "STARTED_S", 0.5)
     flag = tmp_path / "ran"
     script = (f"import pathlib, sys, time; f = pathlib.Path({str(flag)!r})\n"
               "if f.exists(): sys.exit(1)\nf.touch(); time.sleep(1.0); sys.exit(1)")
     comp = Component("trainer.actor", [sys.executable, "-c", script], tmp_path / "trainer.log")
-    launcher, _ = _launcher(tmp_path, monkeypatch, comp)
-    assert _supervise_until(launcher, lambda: comp.restarts >= 2 * launcher_mod.MAX_START_FAILURES) == []
+    supervisor, _ = _supervisor(tmp_path, monkeypatch, comp)
+    assert _supervise_until(supervisor, lambda: comp.restarts >= 2 * supervision.MAX_START_FAILURES) == []
     assert comp.got_going and comp.start_failures == 0
     comp.proc.wait()

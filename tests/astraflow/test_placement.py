@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from astraflow.config import ConfigError, load_config
-from astraflow.launcher import Launcher
+from astraflow.launcher.run import Launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ def test_the_launcher_starts_a_component_pinned_to_its_cpus_with_its_threads(tmp
     comp.name, comp.log = "controller", tmp_path / "controller.log"
     comp.argv = [sys.executable, "-m", "astraflow", "controller", str(ROOT / "examples" / "arith-tiny.yaml"),
                  f"run_dir={tmp_path / 'run'}"]
-    launcher._start(comp)
+    launcher.supervisor.start(comp)
     try:
         deadline = time.monotonic() + 90
         while "controller on cpus" not in (comp.log.read_text() if comp.log.exists() else ""):

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from astraflow.cli import app
 from astraflow.config import ConfigError, TrackingConfig, load_config
-from astraflow.launcher import plan_components
+from astraflow.launcher.plan import plan_components
 from astraflow.tracker import MetricsTracker, record_step
 from topics.bus import connect
 from topics.codec import encode, headers_for

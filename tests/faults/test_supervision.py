@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from run_checks import assert_exactly_once, finish, wait_for_steps
 
-from astraflow.launcher import process_start_time
+from astraflow.launched import process_start_time
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
@@ -120,7 +120,7 @@ def _running(pid: int) -> bool:
 def test_the_components_of_a_killed_launcher_stop(tmp_path):
     # SIGKILL the launcher mid-run: its components (own sessions, so no signal reaches them) notice that
     # their parent is gone, stop, and are all gone within the grace period; each log says why.
-    from astraflow.launcher import ORPHAN_GRACE_S
+    from astraflow.launched import ORPHAN_GRACE_S
 
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(

@@ -14,7 +14,8 @@ import aiohttp
 import pytest
 
 from astraflow.config import ConfigError, load_config
-from astraflow.launcher import Launcher, plan_components
+from astraflow.launcher.plan import plan_components
+from astraflow.launcher.run import Launcher
 from producers.search_server import Behaviour, SearchServer, fts_query
 from producers.search_tool import SearchTool
 
@@ -211,9 +212,9 @@ def test_launcher_starts_search_and_points_raas_at_it(tmp_path, corpus):
     assert worker_cfg.tools.search.server == search.ready_url
 
     cfg.run_dir.mkdir(parents=True)
-    launcher._start(search)
+    launcher.supervisor.start(search)
     try:
-        launcher._wait_ready(search, timeout_s=30.0)
+        launcher.supervisor.wait_ready(search, timeout_s=30.0)
 
         async def main():
             tool = SearchTool(worker_cfg.tools.search.server)
@@ -223,7 +224,7 @@ def test_launcher_starts_search_and_points_raas_at_it(tmp_path, corpus):
                 await tool.close()
 
         assert asyncio.run(main()) == dict(DOCS)["turing"]
-        launcher._stop_all(grace_s=10.0)
+        launcher.supervisor.stop_all(grace_s=10.0)
         assert search.proc.returncode == 0
     finally:
         if search.proc.poll() is None:

@@ -274,7 +274,7 @@ def test_sigkill_of_a_rank_then_resume_trains_nothing_twice(bus_url, tiny_model_
 
 
 def test_launcher_starts_a_multi_rank_trainer_under_torchrun(tmp_path):
-    from astraflow.launcher import trainer_argv
+    from astraflow.launcher.plan import trainer_argv
 
     config = tmp_path / "run.yaml"
     one = trainer_argv(1, config, ["a=b"], "pol")
