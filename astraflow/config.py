@@ -111,6 +111,16 @@ class SGLangConfig(_Strict):
     launch_args: list[str] = Field(default_factory=list, description="extra sglang.launch_server arguments, "
                                    "e.g. [--mem-fraction-static, '0.5', --tp-size, '2']")
     startup_timeout_s: float = Field(default=600.0, gt=0, description="seconds to wait for the server's /health")
+    timeout_s: float = Field(default=600.0, gt=0, description="per-request HTTP timeout, seconds (a generation or "
+                             "one weight-update request)")
+    bucket_bytes: int = Field(default=256 << 20, ge=1, description="tensor bytes per /update_weights_from_tensor "
+                              "request (a larger tensor goes alone)")
+    attempts: int = Field(default=5, ge=1, description="tries per HTTP call (connection errors and 5xx answers are "
+                          "retried with exponential back-off)")
+    pause_mode: Literal["abort", "in_place"] = Field(default="abort", description="how a weight update pauses the "
+                                                     "server: abort (other clients' requests in flight are aborted; "
+                                                     "the radix cache is flushed) or in_place (they are kept; needs "
+                                                     "a server launched with --disable-radix-cache)")
 
     @model_validator(mode="after")
     def _attach_or_launch(self) -> "SGLangConfig":

@@ -88,7 +88,8 @@ def make_engine(cfg: RunConfig, policy: str, vllm_url: str | None = None) -> Eng
 
         sc = pc.sglang
         return SGLangEngine(resolve_model(pc.model), url=sc.url, port=sc.port, launch_args=tuple(sc.launch_args),
-                            startup_timeout_s=sc.startup_timeout_s)
+                            startup_timeout_s=sc.startup_timeout_s, timeout_s=sc.timeout_s,
+                            bucket_bytes=sc.bucket_bytes, attempts=sc.attempts, pause_mode=sc.pause_mode)
     if pc.engine == "vllm":
         from producers.vllm_engine import VLLMEngine
 

@@ -58,26 +58,43 @@ requests of about ``bucket_bytes``. ``flush_cache`` is set on the last request o
 flushes the radix cache after it and *asserts* that the flush succeeded
 (``managers/scheduler_update_weights_mixin.py``), which needs an idle scheduler.
 
-The update is wrapped in ``POST /pause_generation`` with mode ``abort`` and ``POST /continue_generation``
-(``http_server.py``; ``tokenizer_manager.py: pause_generation``): abort mode aborts the requests in
-flight and waits until none is left, so the scheduler is idle and the flush cannot fail; while paused,
-new requests wait and the updates skip the model-update lock (``tokenizer_communicator_mixin.py:
-update_weights_from_tensor``). The ``retract`` and ``in_place`` modes keep requests in the scheduler,
-where the post-update flush would fail its assertion and bring the server down. This engine's own
-generations never overlap its updates (a lock), so the abort only reaches other clients of a shared
-server, whose aborted requests come back with finish reason ``abort``.
+The update is wrapped in ``POST /pause_generation`` and ``POST /continue_generation`` (``http_server.py``;
+``tokenizer_manager.py: pause_generation``), in one of two modes (``pause_mode``):
+
+- ``abort`` (the default): the requests in flight are aborted and the pause waits until none is left, so the
+  scheduler is idle and the radix cache, whose entries were computed with the old weights, is flushed with the
+  last request (``flush_cache``); while paused, new requests wait and the updates skip the model-update lock
+  (``tokenizer_communicator_mixin.py: update_weights_from_tensor``). This engine's own generations never
+  overlap its updates (a lock), so the abort only reaches other clients of a shared server, whose aborted
+  requests come back with finish reason ``abort``.
+- ``in_place``: the scheduler stops where it is and keeps every request (other clients' requests go on after
+  the update, on a mix of the two versions). A cache cannot be flushed while requests are held (the
+  post-update flush would fail its assertion and bring the server down; ``retract`` mode leaves the retracted
+  requests queued, with the same effect), so nothing is flushed and the server must run without a radix cache
+  (``--disable-radix-cache``; ``disable_radix_cache`` of ``/server_info``, checked before the first update):
+  else a later prompt could reuse keys and values of the old weights.
+
+The server is never left paused: ``/continue_generation`` is sent after every update, failed or not; when it
+fails, the update's own error is still the one raised (with the resume's failure beside it), and every later
+call of this engine resumes the server first.
+
+Interruption: each ``/generate`` request carries request ids ``<prefix>-<i>``; when :attr:`Engine.interrupt`
+is set while it runs, ``POST /abort_request`` with the prefix aborts them (the scheduler matches request ids
+by prefix: ``managers/scheduler.py: abort_request``) and :class:`~producers.engines.GenerationInterrupted`
+is raised at once.
 
 Errors: every endpoint answers a failure with HTTP 400 (``{"success": false, "message": ...}`` for the
 weight updates, ``{"error": {"message": ...}}`` for ``/generate``), which :class:`SGLangHTTPError`
 reports with the endpoint, the status and the start of the body; a failed update becomes
 :class:`~producers.engines.EngineUpdateError` and the engine keeps its version. Connection errors and
-5xx answers are retried with exponential backoff. ``/update_weights_from_disk`` (kept as
+5xx answers are retried with exponential backoff (``attempts`` tries, each request bounded by ``timeout_s``). ``/update_weights_from_disk`` (kept as
 :meth:`SGLangEngine.load_weights_from_disk`) rolls the server back to its old weights when a load fails
 (``model_executor/model_runner.py: update_weights_from_disk``).
 """
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import logging
 import os
 import pickle
@@ -87,6 +104,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -94,9 +112,15 @@ import numpy as np
 import torch
 
 from astraflow.config import SGLANG_OWN_ARGS
-from producers.engines import Engine, EngineUpdateError, Generation, SamplingParams, check_prompts
+from producers.engines import (Engine, EngineUpdateError, Generation, GenerationInterrupted, SamplingParams,
+                               check_prompts)
 
 log = logging.getLogger(__name__)
+
+#: The ``/pause_generation`` modes a weight update may use (module docstring).
+PAUSE_MODES = ("abort", "in_place")
+#: How often a running ``/generate`` looks at :attr:`Engine.interrupt`, seconds.
+INTERRUPT_POLL_S = 0.1
 
 #: how a server is started: ``<launcher> --model-path ... --host ... --port ... [launch_args]``
 DEFAULT_LAUNCHER: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
@@ -194,8 +218,8 @@ class SGLangEngine(Engine):
     """A client of an SGLang server, which it launches (one per engine) or attaches to.
 
     See the module docstring for the endpoints and what SGLang's source says about each. Generation and
-    weight updates are serialized by a lock. :attr:`Engine.interrupt` is ignored: a request runs to its
-    end. HTTP calls are retried ``attempts`` times with exponential backoff on connection errors and 5xx
+    weight updates are serialized by a lock. When :attr:`Engine.interrupt` is set, a running ``/generate`` is
+    aborted on the server and :class:`GenerationInterrupted` raised. HTTP calls are retried ``attempts`` times with exponential backoff on connection errors and 5xx
     answers; other failures raise :class:`SGLangHTTPError` naming the endpoint, status and body.
 
     Args:
@@ -214,10 +238,11 @@ class SGLangEngine(Engine):
         bucket_bytes: tensor bytes per ``/update_weights_from_tensor`` request (a larger tensor goes alone).
         attempts: tries per HTTP call (connection errors and 5xx answers are retried).
         backoff_s: the first retry's wait, seconds (doubling, at most 10 s).
+        pause_mode: how a weight update pauses the server, one of :data:`PAUSE_MODES` (module docstring).
         launcher: the command that starts a server, before its arguments (:data:`DEFAULT_LAUNCHER`).
 
     Raises:
-        ValueError: ``launch_args`` sets an argument the engine sets itself.
+        ValueError: ``launch_args`` sets an argument the engine sets itself, or ``pause_mode`` is unknown.
         RuntimeError: the launched server exited, or ``/health`` did not answer 200 within
             ``startup_timeout_s`` (a launched server is then stopped).
     """
@@ -225,15 +250,24 @@ class SGLangEngine(Engine):
     def __init__(self, model_path: str | Path, url: str | None = None, *, port: int | None = None,
                  host: str = "127.0.0.1", launch_args: Sequence[str] = (), startup_timeout_s: float = 600.0,
                  timeout_s: float = 600.0, version: int = 0, bucket_bytes: int = 256 << 20, attempts: int = 5,
-                 backoff_s: float = 0.5, launcher: Sequence[str] = DEFAULT_LAUNCHER) -> None:
+                 backoff_s: float = 0.5, pause_mode: str = "abort",
+                 launcher: Sequence[str] = DEFAULT_LAUNCHER) -> None:
         import httpx
         from transformers import AutoTokenizer
+
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode {pause_mode!r} is not one of {PAUSE_MODES}")
 
         self.model_path = str(model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._version = int(version)
         self.bucket_bytes, self.attempts, self.backoff_s = bucket_bytes, attempts, backoff_s
+        self.pause_mode = pause_mode
         self._lock = threading.Lock()
+        self._paused = False  # an update's /continue_generation failed: resume before anything else
+        self._radix_checked = False  # in_place mode: the server was seen to run without a radix cache
+        # a /generate that may be abandoned on an interrupt runs here (its answer, an abort, is dropped)
+        self._requests = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="sglang-generate")
         self._proc: subprocess.Popen | None = None
         self._shapes: dict[str, tuple[int, ...]] | None = None
         self._tp_size: int | None = None
@@ -347,13 +381,38 @@ class SGLangEngine(Engine):
         """
         check_prompts(batch)
         body = self.request_for(batch, sampling)
+        prefix = uuid.uuid4().hex
+        body["rid"] = [f"{prefix}-{i}" for i in range(len(batch))]
         with self._lock:
+            self._resume_if_paused()
             version = self._version
-            result = self._call("POST", "/generate", body)
+            result = self._generate(body, prefix)
         items = result if isinstance(result, list) else [result]
         if len(items) != len(batch):
             raise RuntimeError(f"SGLang /generate answered {len(items)} generations for {len(batch)} prompts")
         return [self._generation(i, item, version) for i, item in enumerate(items)]
+
+    def _generate(self, body: dict[str, Any], prefix: str) -> Any:
+        """``POST /generate`` with ``body``; while it runs, an :attr:`Engine.interrupt` that is set aborts its
+        requests (``POST /abort_request`` with the request ids' ``prefix``) and raises
+        :class:`GenerationInterrupted` at once."""
+        interrupt = self.interrupt
+        if interrupt is None:
+            return self._call("POST", "/generate", body)
+        if interrupt.is_set():
+            raise GenerationInterrupted("interrupted before the request was sent")
+        answer = self._requests.submit(self._call, "POST", "/generate", body)
+        while True:
+            try:
+                return answer.result(timeout=INTERRUPT_POLL_S)
+            except concurrent.futures.TimeoutError:
+                if not interrupt.is_set():
+                    continue
+            try:
+                self._call("POST", "/abort_request", {"rid": prefix})
+            except SGLangHTTPError as e:  # the server is going as we stop: its requests go with it
+                log.warning("sglang %s: could not abort requests %s-*: %s", self.url, prefix, e)
+            raise GenerationInterrupted(f"interrupted: SGLang requests {prefix}-* aborted")
 
     @staticmethod
     def _generation(i: int, item: Mapping[str, Any], version: int) -> Generation:
@@ -422,20 +481,22 @@ class SGLangEngine(Engine):
         """Send the tensors of ``state_dict`` that changed since they were last sent, then set :attr:`version`.
 
         The tensors (any dtype; the server casts to its own) are checked against the model's names and
-        shapes first. Then, with generation paused (``/pause_generation`` mode ``abort``), they go in
+        shapes first. Then, with generation paused (``/pause_generation`` in :attr:`pause_mode`), they go in
         ``/update_weights_from_tensor`` requests of about ``bucket_bytes`` (:func:`serialize_named_tensors`,
-        ``load_format`` null, ``flush_cache`` and ``weight_version`` on the last), and
-        ``/continue_generation`` resumes the server. Changes are found by comparing each tensor's xxh3-128
-        digest with the one sent last; nothing changed: only the version moves.
+        ``load_format`` null, ``weight_version`` on the last, and ``flush_cache`` too in ``abort`` mode), and
+        ``/continue_generation`` resumes the server, whatever the update's outcome. Changes are found by comparing
+        each tensor's xxh3-128 digest with the one sent last; nothing changed: only the version moves.
 
         Raises:
             KeyError: a name the model does not have (nothing is sent).
             ValueError: a tensor whose shape does not match (nothing is sent).
-            EngineUpdateError: the server could not be paused or refused or missed an update request; the
-                engine keeps its version. If some requests of the update had been applied, the server holds
-                a mix of the two versions until the next successful :meth:`load_weights` (the message says
-                so), which resends every tensor of this update.
-            SGLangHTTPError: ``/continue_generation`` failed after the update (the server may stay paused).
+            EngineUpdateError: the server could not be paused (in ``in_place`` mode: it runs with a radix
+                cache) or refused or missed an update request; the engine keeps its version. If some requests
+                of the update had been applied, the server holds a mix of the two versions until the next
+                successful :meth:`load_weights` (the message says so), which resends every tensor of this
+                update. A resume that failed too is named beside the update's error. (A resume that fails after
+                a successful update is logged: the version moves, and the next call resumes the server first.)
+            SGLangHTTPError: an earlier update's resume still fails.
         """
         shapes = self.param_shapes()
         for name, value in state_dict.items():
@@ -448,6 +509,7 @@ class SGLangEngine(Engine):
         digests = {name: _digest(t) for name, t in tensors.items()}
         changed = sorted(n for n in tensors if self._sent.get(n) != digests[n])
         with self._lock:
+            self._resume_if_paused()
             old = self._version
             if not changed:
                 self._version = int(version)
@@ -456,17 +518,20 @@ class SGLangEngine(Engine):
             buckets = list(self._buckets(changed, tensors))
             try:
                 tp = self.tp_size()
-                self._call("POST", "/pause_generation", {"mode": "abort"})
+                if self.pause_mode == "in_place":
+                    self._check_no_radix_cache()
+                self._call("POST", "/pause_generation", {"mode": self.pause_mode})
             except SGLangHTTPError as e:
                 raise EngineUpdateError(f"version {version} not loaded: {e}; the server still holds "
                                         f"version {old}") from None
-            applied = 0
+            applied, failure = 0, None
+            flush = self.pause_mode == "abort"  # in place, requests are held: nothing can be flushed
             try:
                 for k, bucket in enumerate(buckets):
                     last = k == len(buckets) - 1
                     entry = serialize_named_tensors([(n, tensors[n]) for n in bucket])
                     result = self._call("POST", "/update_weights_from_tensor", {
-                        "serialized_named_tensors": [entry] * tp, "load_format": None, "flush_cache": last,
+                        "serialized_named_tensors": [entry] * tp, "load_format": None, "flush_cache": flush and last,
                         "abort_all_requests": False, "weight_version": str(version) if last else None})
                     if isinstance(result, dict) and result.get("success") is False:
                         raise SGLangHTTPError(self.url, "POST", "/update_weights_from_tensor", 200,
@@ -478,14 +543,55 @@ class SGLangEngine(Engine):
                 held = (f"the server still holds version {old}" if applied == 0 else
                         f"the server applied {applied} of the {len(buckets)} requests of this update, so it "
                         f"holds a mix of versions {old} and {version} until the next successful load_weights")
-                raise EngineUpdateError(f"version {version} not loaded: {e}; the engine stays at version "
-                                        f"{old} ({held})") from None
-            finally:
-                self._call("POST", "/continue_generation", {})
+                failure = f"version {version} not loaded: {e}; the engine stays at version {old} ({held})"
+            self._paused = True
+            resume_error = self._resume_if_paused(raise_error=False)
+            if failure is not None:
+                raise EngineUpdateError(failure if resume_error is None else
+                                        f"{failure}; and {resume_error}") from None
             self._sent.update({n: digests[n] for n in changed})
             self._version = int(version)
+            if resume_error is not None:
+                log.error("sglang %s: version %d loaded, but %s", self.url, version, resume_error)
         log.info("sglang %s: version %d loaded (%d of %d tensors sent in %d requests)", self.url, version,
                  len(changed), len(tensors), len(buckets))
+
+    def _resume_if_paused(self, raise_error: bool = True) -> str | None:
+        """``POST /continue_generation`` if an update paused the server and has not resumed it yet.
+
+        Returns:
+            None when the server runs (or was resumed); with ``raise_error`` false, what failed instead.
+
+        Raises:
+            SGLangHTTPError: (``raise_error``) the server could not be resumed; it stays paused, and the next call
+                of this engine tries again.
+        """
+        if not self._paused:
+            return None
+        try:
+            self._call("POST", "/continue_generation", {})
+        except SGLangHTTPError as e:
+            if raise_error:
+                raise
+            return f"the server could not be resumed ({e}): it stays paused until a later call of this engine resumes it"
+        self._paused = False
+        return None
+
+    def _check_no_radix_cache(self) -> None:
+        """In ``in_place`` mode, refuse a server that keeps a radix cache (``disable_radix_cache`` false in
+        ``/server_info``): its entries of the old weights could not be flushed. Asked once.
+
+        Raises:
+            SGLangHTTPError: the server runs with a radix cache (not transient), or did not answer.
+        """
+        if self._radix_checked:
+            return
+        info = self._call("GET", "/server_info") or {}
+        if not info.get("disable_radix_cache"):
+            raise SGLangHTTPError(self.url, "GET", "/server_info", 200, "pause_mode in_place needs a server "
+                                  "without a radix cache (launch it with --disable-radix-cache), else prompts "
+                                  "after an update reuse keys and values of the old weights", transient=False)
+        self._radix_checked = True
 
     def load_weights_from_disk(self, model_path: str | Path, version: int) -> None:
         """Have the server reload all its weights from ``model_path`` (a ``save_pretrained`` directory the
@@ -509,6 +615,7 @@ class SGLangEngine(Engine):
     def close(self) -> None:
         """Close the HTTP client and stop a launched server (its whole process group: SIGTERM, then SIGKILL
         after 30 s)."""
+        self._requests.shutdown(wait=False, cancel_futures=True)
         self._client.close()
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from astraflow.config import ConfigError, RunConfig, load_config
-from producers.engines import EngineUpdateError, SamplingParams
+from producers.engines import EngineUpdateError, GenerationInterrupted, SamplingParams
 from producers.hf_engine import HFEngine
 from producers.sglang_engine import (SGLangEngine, SGLangHTTPError, free_port, launch_command, launch_env,
                                      serialize_named_tensors)
@@ -158,7 +158,9 @@ def test_generate_returns_sglang_answers_as_generations(fake, engine):
 def test_stop_ids_are_sent_and_ignore_eos_stays_false(fake, engine):
     fake.routes[("POST", "/generate")] = lambda body: (200, [answer([3], [-0.1], {"type": "stop", "matched": 3})])
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, temperature=0.5, stop_token_ids=(3, 9)))
-    assert fake.bodies("/generate")[-1] == {
+    body = fake.bodies("/generate")[-1]
+    assert len(body.pop("rid")) == 1  # request ids, so that an interrupt can abort them
+    assert body == {
         "input_ids": [[1, 2, 3]],
         "sampling_params": {"max_new_tokens": 5, "temperature": 0.5, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                             "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
@@ -280,6 +282,69 @@ def test_failed_update_is_an_error_and_keeps_the_old_version(fake, engine):
     fake.loaded.clear()
     engine.load_weights(state, 2)
     assert (sorted(fake.loaded), engine.version) == ([name], 2)
+
+
+def test_a_failed_resume_neither_hides_the_update_error_nor_leaves_the_server_paused(fake, engine):
+    state = {k: torch.randn(shape) for k, shape in engine.param_shapes().items()}
+    fake.routes[("POST", "/update_weights_from_tensor")] = lambda body: (400, {"success": False, "message": "oom"})
+    fake.routes[("POST", "/continue_generation")] = lambda body: (400, {"error": {"message": "scheduler busy"}})
+    with pytest.raises(EngineUpdateError) as info:
+        engine.load_weights(state, 1)
+    message = str(info.value)
+    assert "version 1 not loaded" in message and "oom" in message  # the update's own error comes first
+    assert "could not be resumed" in message and "scheduler busy" in message
+    # the next call resumes the server before anything else, and fails as long as it cannot
+    fake.requests.clear()
+    fake.routes[("POST", "/generate")] = lambda body: (200, [answer([3], [-0.1], {"type": "stop", "matched": 3})])
+    with pytest.raises(SGLangHTTPError, match="continue_generation"):
+        engine.generate([[1]], SamplingParams())
+    assert fake.calls() == ["POST /continue_generation"]
+    fake.routes[("POST", "/continue_generation")] = lambda body: (200, {"message": "Generation continued."})
+    fake.requests.clear()
+    engine.generate([[1]], SamplingParams())
+    assert fake.calls() == ["POST /continue_generation", "POST /generate"]
+    engine.generate([[1]], SamplingParams())  # resumed once: not again
+    assert fake.calls()[-1] == "POST /generate" and fake.calls().count("POST /continue_generation") == 1
+
+
+def test_in_place_pause_keeps_requests_needs_no_radix_cache_and_flushes_nothing(fake, tiny_model_dir):
+    eng = SGLangEngine(tiny_model_dir, url=fake.url, startup_timeout_s=10, pause_mode="in_place")
+    state = {k: torch.randn(shape) for k, shape in eng.param_shapes().items()}
+    with pytest.raises(EngineUpdateError, match="--disable-radix-cache"):  # the default server keeps one
+        eng.load_weights(state, 1)
+    assert "POST /pause_generation" not in fake.calls() and eng.version == 0
+    fake.routes[("GET", "/server_info")] = lambda body: (200, {"tp_size": 1, "disable_radix_cache": True})
+    eng.load_weights(state, 1)
+    assert fake.bodies("/pause_generation")[-1] == {"mode": "in_place"}
+    assert not any(b["flush_cache"] for b in fake.bodies("/update_weights_from_tensor"))
+    assert fake.calls()[-1] == "POST /continue_generation" and eng.version == 1
+    with pytest.raises(ValueError, match="pause_mode 'retract'"):
+        SGLangEngine(tiny_model_dir, url=fake.url, startup_timeout_s=10, pause_mode="retract")
+    eng.close()
+
+
+def test_an_interrupt_aborts_the_running_request_on_the_server(fake, engine):
+    import threading as th
+
+    release = th.Event()
+
+    def slow(body):  # a long generation: it answers only once released
+        release.wait(30)
+        return 200, [answer([3], [-0.1], {"type": "abort", "message": "aborted"})]
+
+    fake.routes[("POST", "/generate")] = slow
+    fake.routes[("POST", "/abort_request")] = lambda body: (release.set(), (200, None))[1]
+    engine.interrupt = th.Event()
+    th.Timer(0.5, engine.interrupt.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(GenerationInterrupted, match="aborted"):
+        engine.generate([[1, 2], [3]], SamplingParams())
+    assert time.monotonic() - t0 < 5
+    rids = fake.bodies("/generate")[-1]["rid"]
+    prefix = fake.bodies("/abort_request")[-1]["rid"]
+    assert len(rids) == 2 and all(r.startswith(prefix) for r in rids)  # the server aborts by prefix
+    with pytest.raises(GenerationInterrupted, match="before the request was sent"):
+        engine.generate([[1]], SamplingParams())
 
 
 def test_a_refused_update_from_disk_keeps_the_old_version(fake, engine, tmp_path):
@@ -411,18 +476,21 @@ def test_config_sglang_section_reaches_the_engine(tmp_path, monkeypatch):
         return {"policies": {"actor": {"model": "tiny", "engine": "sglang", "sglang": sglang}}}
 
     cfg = RunConfig.model_validate(config(port=31000, launch_args=["--mem-fraction-static", "0.5"],
-                                          startup_timeout_s=30))
+                                          startup_timeout_s=30, timeout_s=90, bucket_bytes=1 << 20, attempts=3,
+                                          pause_mode="in_place"))
     seen = {}
     monkeypatch.setattr(sglang_engine, "SGLangEngine", lambda *a, **kw: seen.update(args=a, kwargs=kw))
     monkeypatch.setattr(raas, "resolve_model", lambda spec: Path("/models/tiny"))
     raas.make_engine(cfg, "actor")
     assert seen == {"args": (Path("/models/tiny"),), "kwargs": {
-        "url": None, "port": 31000, "launch_args": ("--mem-fraction-static", "0.5"), "startup_timeout_s": 30.0}}
+        "url": None, "port": 31000, "launch_args": ("--mem-fraction-static", "0.5"), "startup_timeout_s": 30.0,
+        "timeout_s": 90.0, "bucket_bytes": 1 << 20, "attempts": 3, "pause_mode": "in_place"}}
     attach = RunConfig.model_validate(config(url="http://gpu-7:30000")).policies["actor"].sglang
     assert (attach.url, attach.port, attach.launch_args) == ("http://gpu-7:30000", None, [])
 
     for bad, message in [(config(url="http://h:1", port=2), "sglang.url attaches to a running server"),
                          (config(launch_args=["--port", "5"]), "the engine sets --model-path, --host, --port"),
+                         (config(pause_mode="retract"), "pause_mode"),
                          ({"policies": {"actor": {"model": "tiny", "sglang": {"port": 1}}}},
                           "sglang settings apply to engine: sglang"),
                          ({"policies": {"actor": {"model": "tiny", "engine": "sglang", "sglang_url": "http://h:1"}}},
