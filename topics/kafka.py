@@ -8,10 +8,12 @@ Records carry already-compressed values (zstd, see :mod:`topics.codec`), so the
 producer does not compress again. Producers are idempotent with ``acks=all``.
 Consumers never auto-commit: offsets are committed explicitly, after the work
 is durable. A static group member that the coordinator fences (as happens after a
-broker restart) is re-created in place, not given up (:meth:`KafkaConsumer._renew`).
+broker restart) is re-created in place, not given up (:meth:`KafkaConsumer._renew`); so is a plain (not
+transactional) producer whose records stay unacknowledged while the broker answers (:meth:`KafkaProducer.flush`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -154,7 +156,24 @@ def _check_result(what: str, result: Iterable[_TP]) -> None:
 
 class KafkaProducer(Producer):
     """A confluent-kafka producer (idempotent, ``acks=all``); transactional with ``transactional_id``.
-    ``security``: librdkafka security properties (:meth:`topics.kafka_security.KafkaSecurity.librdkafka`)."""
+    ``security``: librdkafka security properties (:meth:`topics.kafka_security.KafkaSecurity.librdkafka`).
+
+    A plain producer keeps each record until its delivery report. When records have stayed unacknowledged for
+    :attr:`stuck_s` seconds with no delivery report at all while the broker answers a metadata request, the
+    producer is stuck (after a broker restart an idempotent producer can keep its records forever: librdkafka
+    #3009, seen once in 4 broker bounces here): :meth:`flush` replaces the librdkafka producer in place and sends
+    the unacknowledged records again through the new one (:meth:`renew`), so nothing is lost and the component is
+    not restarted. A record the old producer had delivered without its report arriving is then written twice:
+    the topics a plain producer writes are read at least once, by key (trajectory groups, announcements, metrics).
+
+    Attributes:
+        renewals: how many times the producer was replaced.
+        stuck_s: seconds without a delivery report, records waiting and the broker answering, before a
+            :meth:`flush` replaces the producer.
+    """
+
+    #: Default of :attr:`stuck_s`: longer than any delivery after a broker restart seen here (~30 s).
+    STUCK_S = 60.0
 
     def __init__(self, bootstrap: str, transactional_id: str | None = None, security: Mapping[str, str] = {}):
         conf = {
@@ -169,25 +188,47 @@ class KafkaProducer(Producer):
         }
         if transactional_id:
             conf["transactional.id"] = transactional_id
+        self._conf = conf
         self._p = _Producer(conf)
         self._wedged: str | None = None  # a transactional call that never returned: the producer is unusable
         self._failures: list[tuple[str, bytes | None, str]] = []
         self._transactional = bool(transactional_id)
+        self.renewals, self.stuck_s = 0, self.STUCK_S
+        # a plain producer's records not yet reported on: sequence number -> (topic, value, key, headers, partition)
+        self._unacked: dict[int, tuple] = {}
+        self._sequence = 0
+        self._generation = 0  # reports from a replaced producer are ignored
+        self._last_report = time.monotonic()
         if self._transactional:
             try:
                 self._p.init_transactions(30)
             except KafkaException as e:
                 raise _txn_error(f"cannot initialise transactions for {transactional_id!r} on {bootstrap}", e) from None
 
-    def _on_delivery(self, err, msg) -> None:
+    def _on_delivery(self, generation: int, sequence: int | None, err, msg) -> None:
+        if generation != self._generation:
+            return  # a replaced producer's report: its record was sent again
+        self._last_report = time.monotonic()
+        if sequence is not None:
+            self._unacked.pop(sequence, None)
         if err is not None:
             self._failures.append((msg.topic(), msg.key(), str(err)))
 
     def send(self, topic, value, key=None, headers=None, partition=None) -> None:
-        kwargs = {"on_delivery": self._on_delivery, "headers": _headers(headers)}
+        key = key.encode() if isinstance(key, str) else key
+        sequence = None
+        if not self._transactional:
+            sequence, self._sequence = self._sequence, self._sequence + 1
+            if not self._unacked:
+                self._last_report = time.monotonic()  # waiting starts with the first record in flight
+            self._unacked[sequence] = (topic, value, key, headers, partition)
+        self._produce(topic, value, key, headers, partition, sequence)
+
+    def _produce(self, topic, value, key, headers, partition, sequence: int | None) -> None:
+        kwargs = {"on_delivery": functools.partial(self._on_delivery, self._generation, sequence),
+                  "headers": _headers(headers)}
         if partition is not None:
             kwargs["partition"] = partition
-        key = key.encode() if isinstance(key, str) else key
         for _ in range(600):
             try:
                 self._p.produce(topic, value, key, **kwargs)
@@ -201,10 +242,48 @@ class KafkaProducer(Producer):
         self._p.poll(0)
 
     def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait up to ``timeout_s`` for every record's delivery report; replace a stuck producer (class docstring).
+
+        Raises:
+            DeliveryError: records were refused or timed out.
+            BusError: records are still unacknowledged (a stuck producer is replaced first, its records sent
+                again: the next flush waits for them).
+        """
         left = self._p.flush(timeout_s)
         self._raise_failures()
         if left:
+            waited = time.monotonic() - self._last_report
+            if not self._transactional and waited >= self.stuck_s and self._broker_answers():
+                self.renew(f"{left} record(s) unacknowledged and no delivery report for {waited:.0f} s while the "
+                           f"broker answers")
             raise BusError(f"{left} record(s) still unacknowledged after {timeout_s} s")
+
+    def _broker_answers(self) -> bool:
+        try:
+            self._p.list_topics(timeout=5)
+            return True
+        except KafkaException:
+            return False
+
+    def renew(self, why: str) -> None:
+        """Replace the librdkafka producer with a new one and send every unacknowledged record again through it,
+        in the order they were first sent (a plain producer only).
+
+        Raises:
+            ValueError: the producer is transactional (a new one with its ``transactional.id`` fences this one).
+        """
+        if self._transactional:
+            raise ValueError("a transactional producer is renewed by a new producer with its transactional.id")
+        old, self._generation = self._p, self._generation + 1
+        old.purge(in_queue=True, in_flight=True, blocking=False)
+        old.poll(0)
+        self._p = _Producer(self._conf)
+        self.renewals += 1
+        self._last_report = time.monotonic()
+        log.warning("producer: %s; replaced it (renewal %d), sending %d record(s) again", why, self.renewals,
+                    len(self._unacked))
+        for sequence, (topic, value, key, headers, partition) in sorted(self._unacked.items()):
+            self._produce(topic, value, key, headers, partition, sequence)
 
     def _raise_failures(self) -> None:
         if self._failures:
