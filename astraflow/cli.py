@@ -192,11 +192,11 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     trainer ...`): rank 0 reads the bus, publishes and checkpoints, all ranks train (FSDP2 or ZeRO)."""
     if local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    from astraflow.models import resolve_model
     from policies.registry import build_serving
     from topics.bus import connect
     from topics.names import TopicNames
     from trainer.service import ServiceConfig, TrainerService
+    from weights.models import resolve_model
     from weights.publisher import Publisher
     from weights.store import WeightStore
 
@@ -454,7 +454,7 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from rich.console import Console
     from rich.table import Table
 
-    from consumers.replay import ReplayError, replay_run
+    from astraflow.replay import ReplayError, replay_run
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")

@@ -46,9 +46,9 @@ from rich.console import Console
 from rich.live import Live
 
 from astraflow.config import RunConfig
-from astraflow.files import atomic_write
 from astraflow.monitor import RunMonitor
 from astraflow.placement import check_placement, placement_env
+from topics.atomic_write import atomic_write
 from topics.bus import BusError, connect
 from topics.follow import LatestByKey
 from topics.names import TopicNames
@@ -181,8 +181,8 @@ def vllm_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[s
     """A vLLM server component per policy with ``engine: vllm`` and no ``vllm.url``, on ``vllm.port`` (None: a
     free port), in the dtype its trainer publishes; and the overrides that point RaaS workers at them
     (``policies.<p>.vllm.started_url=http://127.0.0.1:<port>``)."""
-    from astraflow.models import resolve_model
     from producers.vllm_server import free_port, server_argv, server_env
+    from weights.models import resolve_model
 
     comps, urls = [], []
     for p, pc in cfg.policies.items():
@@ -303,12 +303,12 @@ def preflight(cfg: RunConfig) -> None:
         FileNotFoundError: a model directory that does not exist.
         astraflow.tracker.TrackingUnavailable: a tracking sink is set and its package is not installed.
     """
-    from astraflow.models import BUILT_MODELS, resolve_model
     from astraflow.tracker import require_packages
     from policies.base import Filter, PolicyConfigError
     from policies.registry import build_chain, build_serving
     from producers.sources import load_source
     from producers.workflows import get_workflow
+    from weights.models import BUILT_MODELS, resolve_model
     from weights.store import StoreError, check_store_uri
 
     check_placement(cfg)

@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from astraflow.files import atomic_write
 from producers.sources import PromptSource, SourceError, load_source, prompt_id
+from topics.atomic_write import atomic_write
 from topics.bus import Bus, Producer
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
@@ -103,7 +103,7 @@ class AcquisitionState:
         return state
 
     def save(self, path: Path) -> None:
-        """Write the state atomically (:func:`astraflow.files.atomic_write`)."""
+        """Write the state atomically (:func:`topics.atomic_write.atomic_write`)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps(asdict(self)))
 

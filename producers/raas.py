@@ -51,7 +51,6 @@ import time
 from pathlib import Path
 
 from astraflow.config import RunConfig
-from astraflow.models import resolve_model
 from producers.engine_batcher import EngineBatcher
 from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, SamplingParams
 from producers.hf_engine import HFEngine
@@ -64,6 +63,7 @@ from topics.deadletter import ValidatingConsumer, send_to_deadletter
 from topics.follow import LatestByKey
 from topics.names import TopicNames
 from topics.schemas import Control, Metric, Prompt, RolloutOutcome, TrainerProgress, TrajectoryGroup
+from weights.models import resolve_model
 from weights.puller import Puller, WeightsUnavailable
 from weights.store import WeightStore
 

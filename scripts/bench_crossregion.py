@@ -734,7 +734,7 @@ def main() -> None:
                  f"KAFKA_PORT={args.kafka_port} scripts/kafka-local.sh start")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up as Ctrl-C does
 
-    from astraflow.models import tiny_model_dir
+    from weights.models import tiny_model_dir
     from trainer.model import load_causal_lm
 
     model_dir = tiny_model_dir()

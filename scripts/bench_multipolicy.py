@@ -82,7 +82,7 @@ def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: in
 
     torch.set_num_threads(threads)
     from astraflow.config import load_config
-    from astraflow.models import resolve_model
+    from weights.models import resolve_model
     from producers.engines import SamplingParams
     from producers.engine_batcher import EngineBatcher
     from producers.hf_engine import HFEngine

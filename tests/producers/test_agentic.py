@@ -26,7 +26,7 @@ from tests.producers.test_raas import start_worker
 @pytest.fixture(scope="module")
 def search_model_dir():
     """The tiny search model (``scripts/make_tiny_search_model.py``), built once and cached."""
-    from astraflow.models import resolve_model
+    from weights.models import resolve_model
     return resolve_model("tiny-search")
 
 

@@ -300,7 +300,7 @@ def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None,
         ReplayError: recorded groups are missing from the topic, or the recorded versions have gaps.
         topics.bus.BusError: the bus failed.
     """
-    from astraflow.models import resolve_model
+    from weights.models import resolve_model
     from weights.publisher import Publisher
 
     pc = cfg.policies[policy]
