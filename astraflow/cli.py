@@ -37,6 +37,18 @@ def _load(config: Path, overrides: Optional[list[str]]):
         raise typer.Exit(2)
 
 
+def _load_policy(config: Path, overrides: Optional[list[str]], policy: Optional[str]):
+    """The config and the policy ``--policy`` names (None: the config's only policy), or exit with status 2 and
+    the policies the config has."""
+    cfg = _load(config, overrides)
+    if policy is None and len(cfg.policies) == 1:
+        policy = next(iter(cfg.policies))
+    if policy not in cfg.policies:
+        typer.echo(f"unknown policy {policy!r}; give --policy, one of {sorted(cfg.policies)}", err=True)
+        raise typer.Exit(2)
+    return cfg, policy
+
+
 def _admin(cfg):
     """The config's bus admin, or exit with status 2 and one line saying why the bus cannot be used."""
     from topics.bus import BusError, connect
@@ -119,7 +131,7 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     cfg = _load(config, overrides)
     stop = _component_setup("acquire", cfg)
     try:
-        sent = acquire_run(cfg, stop)
+        sent = acquire_run(cfg.acquisition_section(), stop)
     except SourceError as e:
         typer.echo(f"acquisition stopped: {e}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT)
@@ -134,7 +146,12 @@ WORKER_ID = r"[A-Za-z0-9._-]{1,64}"
 def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
          worker_id: str = typer.Option("0", "--worker-id",
                                        help="unique id of this worker within the run (letters, digits, . _ -), "
-                                            "e.g. a number or the container's hostname")) -> None:
+                                            "e.g. a number or the container's hostname"),
+         vllm_url: Optional[list[str]] = typer.Option(None, "--vllm-url", help="POLICY=URL: the vLLM server of a "
+                                                      "policy with engine: vllm and no vllm.url (astraflow run "
+                                                      "gives the one it started)"),
+         search_url: Optional[str] = typer.Option(None, "--search-url", help="the search server, when tools.search "
+                                                  "has no url (astraflow run gives the one it started)")) -> None:
     """Run one rollout worker: join the `raas.<workflow>` consumer group on `prompts`, roll out,
     write groups to `trajectories.<policy>`. Start more to scale out; SIGTERM stops it cleanly."""
     from producers.raas import RaasWorker
@@ -142,9 +159,14 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     if not re.fullmatch(WORKER_ID, worker_id):
         typer.echo(f"--worker-id {worker_id!r}: use 1-64 letters, digits, '.', '_' or '-'", err=True)
         raise typer.Exit(2)
+    vllm_urls = dict(u.partition("=")[::2] for u in vllm_url or [])
     cfg = _load(config, overrides)
+    bad = [u for u in vllm_url or [] if "=" not in u or u.partition("=")[0] not in cfg.policies]
+    if bad:
+        typer.echo(f"--vllm-url {bad[0]!r}: give POLICY=URL, POLICY one of {sorted(cfg.policies)}", err=True)
+        raise typer.Exit(2)
     stop = _component_setup(f"raas-{worker_id}", cfg)
-    RaasWorker(cfg, worker_id).run(stop)
+    RaasWorker(cfg.raas_section(), worker_id, vllm_urls=vllm_urls, search_url=search_url).run(stop)
 
 
 @app.command()
@@ -162,10 +184,7 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from policies.registry import build_chain
     from topics.bus import connect
 
-    cfg = _load(config, overrides)
-    if policy not in cfg.policies:
-        typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
-        raise typer.Exit(2)
+    cfg, policy = _load_policy(config, overrides, policy)
     fp = cfg.policies[policy].filter_processor
     if instance >= fp.instances:
         typer.echo(f"--instance {instance} is not below policies.{policy}.filter_processor.instances "
@@ -200,10 +219,7 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from weights.publisher import Publisher
     from weights.store import WeightStore
 
-    cfg = _load(config, overrides)
-    if policy not in cfg.policies:
-        typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
-        raise typer.Exit(2)
+    cfg, policy = _load_policy(config, overrides, policy)
     pc = cfg.policies[policy]
     stop = _component_setup(f"trainer.{policy}", cfg)
     try:
@@ -442,10 +458,7 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     (bit-exact on CPU); without them, the serving stage re-serves the topic (not bit-exact).
     Prints a table and a JSON line {"metric": "replay", "versions", "matched", "mismatched", ...};
     exits 1 when an exact replay mismatches or cannot find its groups."""
-    cfg = _load(config, overrides)
-    if policy not in cfg.policies:
-        typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
-        raise typer.Exit(2)
+    cfg, policy = _load_policy(config, overrides, policy)
     threads = threads if threads is not None else int(os.environ.get("OMP_NUM_THREADS") or 1)
     if threads < 1:
         typer.echo(f"--threads must be >= 1, got {threads}", err=True)
@@ -548,12 +561,7 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from weights.puller import WeightsUnavailable
     from weights.store import StoreError
 
-    cfg = _load(config, overrides)
-    if policy is None and len(cfg.policies) == 1:
-        policy = next(iter(cfg.policies))
-    if policy not in cfg.policies:
-        typer.echo(f"unknown policy {policy!r}; give --policy, one of {sorted(cfg.policies)}", err=True)
-        raise typer.Exit(2)
+    cfg, policy = _load_policy(config, overrides, policy)
     k = cfg.eval.k if k is None else k
     temperature = cfg.eval.temperature if temperature is None else temperature
     limit = cfg.eval.limit if limit is None else limit
@@ -577,7 +585,7 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
             typer.echo(f"benchmark {name!r} has no well-formed prompts", err=True)
             raise typer.Exit(2)
         prompts += found
-    engine = make_engine(cfg, policy)
+    engine = make_engine(policy, cfg.policies[policy])
     kwargs = dict(k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
     try:
         if live:

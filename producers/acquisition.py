@@ -36,8 +36,9 @@ import random
 import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from producers.config import AcquisitionSection
 from producers.sources import PromptSource, SourceError, load_source, prompt_id
 from topics.atomic_write import atomic_write
 from topics.bus import Bus, Producer
@@ -46,8 +47,6 @@ from topics.names import TopicNames
 from topics.patience import patiently
 from topics.schemas import DeadLetter
 
-if TYPE_CHECKING:
-    from astraflow.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -302,8 +301,9 @@ class _Progress:
             self._bar.stop()
 
 
-def acquire_run(cfg: "RunConfig", stop: threading.Event | None = None) -> int:
-    """Acquisition for a run config: every source of ``cfg.data``, mixed by weight, through the curators.
+def acquire_run(cfg: AcquisitionSection, stop: threading.Event | None = None) -> int:
+    """Acquisition for a run (its section of the run config, :meth:`astraflow.config.RunConfig.acquisition_section`):
+    every source of ``cfg.data``, mixed by weight, through the curators.
 
     Sources are interleaved batch by batch, each sending ``round(batch * weight / max weight)``
     prompts per turn, until every source has finished its epochs. With curators
@@ -326,11 +326,10 @@ def acquire_run(cfg: "RunConfig", stop: threading.Event | None = None) -> int:
 
     stop = stop or threading.Event()
     bus, names = connect(cfg.bus, cfg.kafka), TopicNames(cfg.run)
-    state_dir = Path(cfg.run_dir) / "acquisition"
+    state_dir = cfg.run_dir / "acquisition"
     gate = None
     if cfg.curators:
-        policy = next(iter(cfg.policies))
-        gate = CuratorGate(bus, cfg.run, build_chain(cfg.curators, Curator), policy=policy)
+        gate = CuratorGate(bus, cfg.run, build_chain(cfg.curators, Curator), policy=cfg.curated_policy)
     acqs = []
     for i, src in enumerate(cfg.data.sources):
         source = load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed,
@@ -339,7 +338,7 @@ def acquire_run(cfg: "RunConfig", stop: threading.Event | None = None) -> int:
             source = replace(source, records=source.records[:src.limit])
         acqs.append((src.weight, Acquisition(
             bus, names, source, state_path=state_dir / f"{i}-{source.name}.json", n_samples=cfg.data.n_samples,
-            workflow=cfg.workflow.name, epochs=cfg.data.epochs, seed=cfg.data.shuffle_seed,
+            workflow=cfg.workflow, epochs=cfg.data.epochs, seed=cfg.data.shuffle_seed,
             max_outstanding=cfg.data.max_outstanding, gate=gate, strict=cfg.data.strict)))
     top = max(w for w, _ in acqs)
     sent = 0

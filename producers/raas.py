@@ -49,8 +49,9 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Mapping
 
-from astraflow.config import RunConfig
+from producers.config import RaasSection, RolloutPolicyConfig, ToolsConfig
 from producers.engine_batcher import EngineBatcher
 from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, SamplingParams
 from producers.hf_engine import HFEngine
@@ -70,15 +71,14 @@ from weights.store import WeightStore
 log = logging.getLogger(__name__)
 
 
-def make_engine(cfg: RunConfig, policy: str) -> Engine:
-    """The inference engine of ``policy``: HFEngine (CPU default); SGLangEngine, which attaches to
-    ``sglang.url`` or launches a server on ``sglang.port`` (None: a free port) with ``sglang.launch_args``;
-    or VLLMEngine, a client of the server at ``vllm.url`` (or the one ``astraflow run`` started).
+def make_engine(policy: str, pc: RolloutPolicyConfig, vllm_url: str | None = None) -> Engine:
+    """The inference engine of ``policy`` (its config ``pc``): HFEngine (CPU default); SGLangEngine, which attaches
+    to ``sglang.url`` or launches a server on ``sglang.port`` (None: a free port) with ``sglang.launch_args``;
+    or VLLMEngine, a client of the server at ``vllm.url``, else at ``vllm_url`` (the one ``astraflow run`` started).
 
     Raises:
-        ValueError: ``engine: vllm`` without ``vllm.url``.
+        ValueError: ``engine: vllm`` with neither ``vllm.url`` nor ``vllm_url``.
     """
-    pc = cfg.policies[policy]
     if pc.engine == "sglang":
         from producers.sglang_engine import SGLangEngine
 
@@ -88,25 +88,31 @@ def make_engine(cfg: RunConfig, policy: str) -> Engine:
     if pc.engine == "vllm":
         from producers.vllm_engine import VLLMEngine
 
-        if pc.vllm.server is None:
+        url = pc.vllm.url or vllm_url
+        if url is None:
             raise ValueError(f"policies.{policy}.vllm.url is not set: a RaaS worker started by hand needs the URL of "
                              "a running server (`astraflow run` starts one and tells its workers)")
-        return VLLMEngine(pc.vllm.server, resolve_model(pc.model), startup_timeout_s=pc.vllm.startup_timeout_s)
+        return VLLMEngine(url, resolve_model(pc.model), startup_timeout_s=pc.vllm.startup_timeout_s)
     return HFEngine(resolve_model(pc.model))
 
 
-def make_tools(cfg: RunConfig) -> dict[str, Tool]:
+def make_tools(tools: ToolsConfig, search_url: str | None = None) -> dict[str, Tool]:
     """The tools the run's episodes call, by name: ``search`` (:class:`producers.search_tool.SearchTool`) when
-    ``tools.search`` is configured, at its ``url`` (the service ``astraflow run`` started, or an external one)."""
-    search = cfg.tools.search
+    ``tools.search`` is configured, at its ``url``, else at ``search_url`` (the server ``astraflow run`` started).
+
+    Raises:
+        ValueError: ``tools.search`` with neither ``url`` nor ``search_url``.
+    """
+    search = tools.search
     if search is None:
         return {}
-    if search.server is None:
+    url = search.url or search_url
+    if url is None:
         raise ValueError("tools.search.url is not set: a RaaS worker started by hand needs the URL of a running "
                          "search server (`astraflow run` starts one and tells its workers)")
     from producers.search_tool import SearchTool
 
-    return {"search": SearchTool(search.server, timeout_s=search.timeout_s, top_k=search.top_k)}
+    return {"search": SearchTool(url, timeout_s=search.timeout_s, top_k=search.top_k)}
 
 
 def context_length(model_dir: str | Path) -> int | None:
@@ -121,15 +127,20 @@ class RaasWorker:
     """One rollout worker.
 
     Args:
-        cfg: the run config.
+        cfg: the worker's section of the run config (:meth:`astraflow.config.RunConfig.raas_section`).
         worker_id: unique among this run's workers, a number or a name (names the producer and the static group member).
         bus: the bus (default: ``connect(cfg.bus, cfg.kafka)``).
+        vllm_urls: policy -> the URL of the vLLM server ``astraflow run`` started for it (a policy with
+            ``vllm.url`` set uses that).
+        search_url: the URL of the search server ``astraflow run`` started (``tools.search.url`` wins).
 
     Raises:
         KeyError: the workflow or one of its policies is unknown.
+        ValueError: an engine or tool whose server has no URL.
     """
 
-    def __init__(self, cfg: RunConfig, worker_id: int | str = 0, bus: Bus | None = None):
+    def __init__(self, cfg: RaasSection, worker_id: int | str = 0, bus: Bus | None = None, *,
+                 vllm_urls: Mapping[str, str] | None = None, search_url: str | None = None):
         self.cfg, self.id = cfg, f"raas-{worker_id}"
         self.bus = bus or connect(cfg.bus, cfg.kafka)
         self.names = TopicNames(cfg.run)
@@ -140,7 +151,7 @@ class RaasWorker:
         if missing:
             raise KeyError(f"workflow {cfg.workflow.name!r} needs policies {sorted(missing)} that the config "
                            f"does not define (policies: {sorted(cfg.policies)})")
-        self.engines = {p: make_engine(cfg, p) for p in self.policies}
+        self.engines = {p: make_engine(p, cfg.policies[p], (vllm_urls or {}).get(p)) for p in self.policies}
         self.context = {p: context_length(resolve_model(cfg.policies[p].model)) for p in self.policies}
         store = WeightStore(cfg.store, cfg.run)
         self.pullers = {p: Puller(store, self.bus, self.names, p) for p in self.policies}  # sync_weights loads
@@ -170,7 +181,7 @@ class RaasWorker:
         self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=64,
                                                                              thread_name_prefix=f"{self.id}-io"))
         self.batchers = {p: EngineBatcher(e, name=f"{self.id}-{p}") for p, e in self.engines.items()}
-        self.tools: dict[str, Tool] = make_tools(cfg)
+        self.tools: dict[str, Tool] = make_tools(cfg.tools, search_url)
         self.ledger = PromptLedger()
         # rollout task -> [its prompt's record, its episodes still running (workflows.episode_ended)]
         self.episodes: dict[asyncio.Task, list] = {}
@@ -449,7 +460,7 @@ class RaasWorker:
         if reason and not self.episodes:  # a pause usually ends with a new weight version: wait for one, briefly
             for puller in self.pullers.values():
                 puller.poll(timeout_s=0.1 / len(self.pullers))
-        per_prompt = max(1, self.cfg.data.n_samples)
+        per_prompt = max(1, self.cfg.n_samples)
         n = min(self.cfg.raas.batch_prompts, room or self.cfg.raas.batch_prompts, max(1, free // per_prompt))
         self._admit(self.prompts.poll(n, 0.0 if reason or self.episodes else 0.5))
         self.ledger.polled(self.prompts.last_offsets)  # dead-lettered undecodable records included

@@ -14,9 +14,12 @@ from astraflow.launcher import EXIT_BAD_INPUT
 
 @pytest.mark.parametrize("override, message", [
     ("workflow.name=nope", "invalid run config examples/arith-tiny.yaml: unknown workflow 'nope'; registered: ["),
-    ("policies.actor.filters=[{name: nope}]", "policy 'nope': unknown policy; known: accept_all"),
-    ("policies.actor.serving=[{name: nope}]", "policy 'nope': unknown policy; known: accept_all"),
-    ("policies.actor.serving=[{name: mix, weights: {arith: 1}}]", "policy 'mix': unknown policy; known: accept_all"),
+    ("policies.actor.filters=[{name: nope}]", "policies.actor.filters.0: unknown policy name; known here: accept_all"),
+    ("policies.actor.serving=[{name: nope}]", "policies.actor.serving.0: unknown policy name; known here: replay, or "),
+    ("policies.actor.serving=[{name: mix, weights: {arith: 1}}]", "policies.actor.serving.0: unknown policy name"),
+    ("curators=[{name: greso, p_eazy: 0.3}]", "curators.0.greso.p_eazy: Extra inputs are not permitted"),
+    ("curators=[{name: greso, p_easy: 1.5}]", "policy 'greso', parameter 'p_easy': must be in (0, 1], got 1.5 "
+                                               "(curators)"),
     ("policies.actor.serving=[{name: replay}, {name: replay}]",
      "policy 'replay': 2 serving policies given; the serving stage takes one (policies.actor.serving)"),
     ("policies.actor.serving=[{name: replay, ratio: 1.5}]",
@@ -36,6 +39,24 @@ def test_run_preflight_rejects_bad_config(tmp_path, override, message):
     result = CliRunner().invoke(app, ["run", "examples/arith-tiny.yaml", f"run_dir={tmp_path}", override])
     assert result.exit_code == 2
     assert message in result.output
+    assert not any(tmp_path.iterdir())  # nothing was started or written
+
+
+@pytest.mark.parametrize("command, options", [
+    (["run"], []), (["acquire"], []), (["raas"], []), (["policy"], ["--policy", "actor"]),
+    (["trainer"], ["--policy", "actor"]), (["controller"], []), (["exporter"], []), (["tracker"], []),
+    (["replay"], ["--policy", "actor"]), (["eval"], ["--policy", "actor"]), (["control", "pause"], [])])
+@pytest.mark.parametrize("override, field", [
+    ("curators=[{name: filter_solved, treshold: 0.5}]", "curators.0.filter_solved.treshold"),
+    ("policies.actor.filters=[{name: filter_length, max_tokenz: 64}]", "policies.actor.filters.0.filter_length.max_tokenz"),
+    ("policies.actor.serving=[{name: replay, ratoi: 0.5}]", "policies.actor.serving.0.replay.ratoi"),
+])
+def test_every_command_refuses_a_misspelled_plugin_field_before_starting(tmp_path, command, options, override, field):
+    """The run config, plugins included, is validated when it is read: each command exits 2 naming the field."""
+    args = [*command, "examples/arith-tiny.yaml", f"run_dir={tmp_path}", override, *options]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert f"{field}: Extra inputs are not permitted" in result.output
     assert not any(tmp_path.iterdir())  # nothing was started or written
 
 

@@ -107,8 +107,8 @@ def test_tool_faults_cost_an_error_observation_and_the_run_goes_on(tmp_path, sea
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
     bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
-    assert acquire_run(cfg) == n_prompts
-    worker = RaasWorker(cfg, 0, bus)
+    assert acquire_run(cfg.acquisition_section()) == n_prompts
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
     topic = names.trajectories("actor")
     lag = lambda: sum(bus.admin().group_lag(names.raas_group("search_agent"), names.prompts).values())  # noqa: E731
     try:
@@ -154,7 +154,7 @@ def test_sigkill_with_20_episodes_in_flight_loses_no_prompt_and_duplicates_no_gr
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
     bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
-    assert acquire_run(cfg) == n_prompts
+    assert acquire_run(cfg.acquisition_section()) == n_prompts
     topic, group = names.trajectories("actor"), names.raas_group("search_agent")
     worker = start_worker(path, 0, tmp_path)
     try:

@@ -62,7 +62,7 @@ def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_m
     cfg = load_config(config)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
     bus.admin().ensure_run_topics(names, ["actor"], partitions=4)
-    assert acquire_run(cfg) == N_PROMPTS
+    assert acquire_run(cfg.acquisition_section()) == N_PROMPTS
     topic = names.trajectories("actor")
     workers = [start_worker(config, i, tmp_path) for i in range(2)]
     try:
@@ -127,7 +127,7 @@ raas: {{batch_prompts: 8, max_inflight_groups: 100000}}
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
     bus.admin().ensure_run_topics(names, ["actor"], partitions=4)
-    assert acquire_run(cfg) == n_prompts
+    assert acquire_run(cfg.acquisition_section()) == n_prompts
     topic, group = names.trajectories("actor"), names.raas_group("single_turn")
     worker = start_worker(path, 0, tmp_path)
     try:
@@ -197,8 +197,8 @@ raas: {{batch_prompts: 4}}
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
     bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
-    assert acquire_run(cfg) == 4  # no character limit at acquisition: RaaS is the one to refuse it
-    worker = RaasWorker(cfg, 0, bus)
+    assert acquire_run(cfg.acquisition_section()) == 4  # no character limit at acquisition: RaaS is the one to refuse it
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
     lag = lambda: sum(bus.admin().group_lag(names.raas_group("single_turn"), names.prompts).values())  # noqa: E731
     try:
         deadline = time.monotonic() + 120
@@ -252,7 +252,7 @@ raas: {{batch_prompts: 8}}
         producer.send(names.prompts, encode(p), key=p.prompt_id, headers=headers_for(p))
     producer.flush()
     group = names.raas_group("single_turn")
-    worker = RaasWorker(cfg, 0, bus)
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
     try:
         worker.sampling = SamplingParams(max_new_tokens=4, temperature=0)
         engine = worker.engines["actor"]
