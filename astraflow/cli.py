@@ -66,6 +66,7 @@ def _component_setup(name: str, cfg) -> threading.Event:
     that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launcher.watch_launcher`). SIGUSR1
     writes every thread's stack to the log (:func:`faulthandler.register`). The process first pins itself to the CPUs the launcher placed it on (:func:`astraflow.placement.apply_placement`)."""
     from astraflow.launcher import watch_launcher
+    from topics.layout import ensure_run_topics
     from topics.names import TopicNames
 
     from astraflow.placement import apply_placement
@@ -79,7 +80,7 @@ def _component_setup(name: str, cfg) -> threading.Event:
         signal.signal(sig, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
     logging.getLogger("astraflow").info("%s on %s", name, placed)
-    _admin(cfg).ensure_run_topics(TopicNames(cfg.run), list(cfg.policies))
+    ensure_run_topics(_admin(cfg), TopicNames(cfg.run), list(cfg.policies))
     watch_launcher(name, stop)
     # Everything imported so far (torch, transformers: ~10^6 objects) lives as long as the process: out of the
     # collector's sight, its full collections and the one at exit skip it (1 s of CPU less per exit, measured)
@@ -271,7 +272,7 @@ def controller(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES
         typer.echo(f"invalid controller config {config}: {e}", err=True)
         raise typer.Exit(2)
     stop = _component_setup("controller", cfg)
-    run_controller(cfg, connect(cfg.bus, cfg.kafka), stop)
+    run_controller(cfg.controller_section(), connect(cfg.bus, cfg.kafka), stop)
 
 
 #: the highest ``astraflow control throttle --per-minute``: far above any rollout rate, and small enough to encode
@@ -294,6 +295,7 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
 
     from topics.bus import BusError, connect
     from topics.codec import encode, headers_for
+    from topics.layout import ensure_run_topics
     from topics.names import TopicNames
     from topics.schemas import Control
 
@@ -319,7 +321,7 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
         admin = bus.admin()
         started = names.control in admin.list_topics()
         members = admin.group_members(names.raas_group(cfg.workflow.name)) if started and worker is not None else {}
-        admin.ensure_run_topics(names, list(cfg.policies))
+        ensure_run_topics(admin, names, list(cfg.policies))
         producer = bus.producer()
         producer.send(names.control, encode(msg), key=msg.key(), headers=headers_for(msg))
         producer.flush()

@@ -201,6 +201,16 @@ class ControllerConfig(_Strict):
         return self
 
 
+class ControllerSection(_Strict):
+    """What the scaling controller takes (:func:`astraflow.controller.run_controller`)."""
+
+    run: str = Field(description="the run name every topic and group is prefixed with")
+    workflow: str = Field(description="the workflow whose RaaS workers it scales")
+    policies: list[str] = Field(min_length=1, description="the run's policies, whose trainers it observes")
+    workers: int = Field(ge=1, description="the workers it starts from when control holds no decision yet")
+    controller: ControllerConfig = Field(description="its own settings")
+
+
 class RunConfig(_Strict):
     """A whole run. ``bus`` and ``store`` default to the embedded bus and a local store in ``run_dir``."""
 
@@ -281,6 +291,11 @@ class RunConfig(_Strict):
         return AcquisitionSection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store, run_dir=self.run_dir,
                                   seed=self.seed, data=self.data, workflow=self.workflow.name, curators=self.curators,
                                   curated_policy=next(iter(self.policies)))
+
+    def controller_section(self) -> ControllerSection:
+        """What the scaling controller takes of this config."""
+        return ControllerSection(run=self.run, workflow=self.workflow.name, policies=list(self.policies),
+                                 workers=self.raas.workers, controller=self.controller)
 
     def trainer_config(self, policy: str) -> TrainerConfig:
         """Policy ``policy``'s trainer config as its trainer uses it: named ``policy``, dividing logits by

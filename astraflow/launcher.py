@@ -51,6 +51,7 @@ from astraflow.placement import check_placement, placement_env
 from topics.atomic_write import atomic_write
 from topics.bus import BusError, connect
 from topics.follow import LatestByKey
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import Control, TrainerProgress
 
@@ -506,7 +507,7 @@ class Launcher:
         cfg = self.cfg
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         bus = connect(cfg.bus, cfg.kafka)
-        bus.admin().ensure_run_topics(self.names, list(cfg.policies))
+        ensure_run_topics(bus.admin(), self.names, list(cfg.policies))
         monitor = RunMonitor(bus, self.names, list(cfg.policies), cfg.workflow.name)
         t0 = time.monotonic()
         for c in self.components:

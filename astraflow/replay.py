@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 
 from topics.bus import Bus, BusError, TopicPartition, connect
 from topics.follow import Follower
+from topics.layout import RunTopics
 from topics.names import TopicNames
 from topics.schemas import TrainedBatch, TrajectoryGroup, WeightAnnouncement
 from trainer.config import TrainerConfig
@@ -310,7 +311,7 @@ def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None,
     publisher = None
     if publish_as is not None:
         new_names = TopicNames(publish_as)
-        bus.admin().create_topic(new_names.weights, partitions=1, compacted=True)
+        RunTopics(new_names).weights.create(bus.admin())
         publisher = Publisher(WeightStore(cfg.store, publish_as), bus, new_names, policy,
                               producer_id=f"replay.{policy}")
     try:

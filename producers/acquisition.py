@@ -43,6 +43,7 @@ from producers.sources import PromptSource, SourceError, load_source, prompt_id
 from topics.atomic_write import atomic_write
 from topics.bus import Bus, Producer
 from topics.codec import encode, headers_for
+from topics.layout import PARTITIONS, RunTopics
 from topics.names import TopicNames
 from topics.patience import patiently
 from topics.schemas import DeadLetter
@@ -140,7 +141,7 @@ class Acquisition:
     def __init__(self, bus: Bus, names: TopicNames, source: PromptSource, *, state_path: str | Path | None = None,
                  n_samples: int = 8, workflow: str = "single_turn", epochs: int = 1, seed: int = 0,
                  shuffle: bool = True, batch_size: int = 64, max_outstanding: int | None = None,
-                 group: str | None = None, partitions: int = 4, producer_id: str = "acquisition",
+                 group: str | None = None, partitions: int = PARTITIONS, producer_id: str = "acquisition",
                  metadata: dict[str, Any] | None = None, poll_s: float = 0.5, gate: Any = None,
                  strict: bool = False):
         if epochs < 1 or batch_size < 1 or (max_outstanding is not None and max_outstanding < 1):
@@ -208,9 +209,9 @@ class Acquisition:
         stop = stop or threading.Event()
         if not self._topics_ready:  # once: acquire_run calls this for every batch, and the broker may be away
             admin = self.bus.admin()
-            for topic in (self.names.prompts, self.names.deadletter):
-                patiently(f"acquire: topic {topic}", lambda t=topic: admin.create_topic(t, partitions=self.partitions),
-                          log=log)
+            topics = RunTopics(self.names, self.partitions)
+            for spec in (topics.prompts, topics.deadletter):
+                patiently(f"acquire: topic {spec.name}", lambda s=spec: s.create(admin), log=log)
             self._topics_ready = True
         producer = self.bus.producer()
         total = self.epochs * len(self.source)

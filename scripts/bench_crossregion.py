@@ -560,6 +560,7 @@ def measure(args, model_dir: Path, rate_bit: int, bus_rate_bit: int, work: Path)
     import httpx
 
     from topics.bus import connect
+    from topics.layout import ensure_run_topics
     from topics.names import TopicNames
 
     t_start = time.monotonic()
@@ -590,7 +591,7 @@ def measure(args, model_dir: Path, rate_bit: int, bus_rate_bit: int, work: Path)
         bus = connect(f"kafka://{kafka}")
         names = TopicNames(run)
         admin = bus.admin()
-        admin.ensure_run_topics(names, [POLICY])
+        ensure_run_topics(admin, names, [POLICY])
         stack.callback(quietly, lambda: [admin.delete_topic(t) for t in admin.list_topics() if t.startswith(f"{run}.")])
         trainer_log = work / "trainer.log"
         trainer = start_trainer(args, kafka, run, work / run, bucket, s3_port, trainer_log)

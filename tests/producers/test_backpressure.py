@@ -14,6 +14,7 @@ from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
 from topics.bus import connect
 from topics.codec import encode, headers_for
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.follow import LatestByKey
 from topics.schemas import Metric, TrainerProgress
@@ -47,7 +48,7 @@ raas: {{batch_prompts: 2, max_inflight_groups: 8}}
 """)
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=2)
     assert acquire_run(cfg.acquisition_section()) == 40
     worker = RaasWorker(cfg.raas_section(), 0, bus)
     produced = lambda: sum(bus.admin().end_offsets(names.trajectories("actor")).values())  # noqa: E731
@@ -134,7 +135,7 @@ raas: {{batch_prompts: 2, max_inflight_groups: 100}}
 """)
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=2)
     assert acquire_run(cfg.acquisition_section()) == 20
     worker = RaasWorker(cfg.raas_section(), 0, bus)
     producer = bus.producer()

@@ -13,6 +13,7 @@ from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
 from tests.producers.test_backpressure import reported
 from topics.bus import connect
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import Control
 
@@ -46,7 +47,7 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
     path = _config(tmp_path, bus_url, tiny_model_dir)
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=2)
     assert acquire_run(cfg.acquisition_section()) == 100
     produced = lambda: sum(bus.admin().end_offsets(names.trajectories("actor")).values())  # noqa: E731
 
