@@ -160,8 +160,8 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     if not re.fullmatch(WORKER_ID, worker_id):
         typer.echo(f"--worker-id {worker_id!r}: use 1-64 letters, digits, '.', '_' or '-'", err=True)
         raise typer.Exit(2)
-    vllm_urls = dict(u.partition("=")[::2] for u in vllm_url or [])
     cfg = _load(config, overrides)
+    vllm_urls = dict(u.partition("=")[::2] for u in vllm_url or [])
     bad = [u for u in vllm_url or [] if "=" not in u or u.partition("=")[0] not in cfg.policies]
     if bad:
         typer.echo(f"--vllm-url {bad[0]!r}: give POLICY=URL, POLICY one of {sorted(cfg.policies)}", err=True)

@@ -288,8 +288,8 @@ class RunConfig(_Strict):
 
     def acquisition_section(self) -> AcquisitionSection:
         """What acquisition takes of this config: its curators gate the prompts of the first policy."""
-        return AcquisitionSection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store, run_dir=self.run_dir,
-                                  seed=self.seed, data=self.data, workflow=self.workflow.name, curators=self.curators,
+        return AcquisitionSection(run=self.run, bus=self.bus, kafka=self.kafka, run_dir=self.run_dir, seed=self.seed,
+                                  data=self.data, workflow=self.workflow.name, curators=self.curators,
                                   curated_policy=next(iter(self.policies)))
 
     def controller_section(self) -> ControllerSection:

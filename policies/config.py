@@ -3,7 +3,9 @@
 Each entry is one of the built-in policies' configs, picked by its ``name`` (a discriminated union: a misspelled
 parameter is refused with its name when the run config is read), or ``{name: "package.module:Class", ...}``, a
 user's own class, whose parameters are checked against the class's signature then. The values' ranges are the
-policies' own to check, when they are built (:func:`policies.registry.build_policy`).
+policies' own to check: a built-in config is built once when it is read (:func:`policies.registry.build_policy`),
+so its class refuses a bad value then; a user's class is built when ``astraflow run`` checks the config
+(``preflight``) and when its component starts.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
-from policies.registry import resolve_policy
+from policies.registry import build_policy, resolve_policy
 
 
 class BuiltinPolicyConfig(BaseModel, extra="forbid"):
@@ -21,6 +23,11 @@ class BuiltinPolicyConfig(BaseModel, extra="forbid"):
     def params(self) -> dict[str, Any]:
         """The keyword arguments of the policy's class."""
         return self.model_dump(exclude={"name"})
+
+    @model_validator(mode="after")
+    def _class_takes_values(self) -> "BuiltinPolicyConfig":
+        build_policy(self)  # PolicyConfigError (a ValueError) names the parameter and what is wrong with its value
+        return self
 
 
 class AcceptAllConfig(BuiltinPolicyConfig):

@@ -213,7 +213,6 @@ class ToolsConfig(_Strict):
     search: SearchToolConfig | None = Field(default=None, description="the search tool; None: no search")
 
 
-
 class RolloutPolicyConfig(_Strict):
     """What rollout needs of one trained policy: its model, its engine and how the engine reaches its server, and
     what bounds the groups RaaS keeps in flight for it (the run config's policy section holds these and the
@@ -245,12 +244,11 @@ class RolloutPolicyConfig(_Strict):
 
 
 class RunAddress(_Strict):
-    """Where a component finds its run: the run's name, its bus (with Kafka's security settings) and its store."""
+    """Where a component finds its run: the run's name and its bus (with Kafka's security settings)."""
 
     run: str = Field(pattern=r"^[A-Za-z0-9._-]+$", description="the run name every topic and group is prefixed with")
     bus: str = Field(description="kafka://host:port or local://PATH")
     kafka: KafkaSecurity = Field(default_factory=KafkaSecurity, description="SASL and TLS of a kafka:// bus")
-    store: str = Field(description="file:///abs/dir or s3://bucket/prefix")
 
 
 class AcquisitionSection(RunAddress):
@@ -267,6 +265,7 @@ class AcquisitionSection(RunAddress):
 class RaasSection(RunAddress):
     """What one RaaS worker takes (:class:`producers.raas.RaasWorker`)."""
 
+    store: str = Field(description="the weight store, file:///abs/dir or s3://bucket/prefix")
     policies: dict[str, RolloutPolicyConfig] = Field(min_length=1, description="the run's policies, by name")
     workflow: WorkflowConfig = Field(description="the agent workflow and its roles")
     sampling: SamplingConfig = Field(description="rollout sampling")

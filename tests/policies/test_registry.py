@@ -33,8 +33,8 @@ def test_clear_errors():
         policy_spec({"name": "gresso"})
     with pytest.raises(ValidationError, match=r"greso\.p_eazy\n  Extra inputs are not permitted"):
         policy_spec({"name": "greso", "p_eazy": 0.3})
-    with pytest.raises(PolicyConfigError, match=r"policy 'replay', parameter 'ratio': must be in \[0, 1\)"):
-        build_policy(policy_spec({"name": "replay", "ratio": 1.5}))
+    with pytest.raises(ValidationError, match=r"policy 'replay', parameter 'ratio': must be in \[0, 1\)"):
+        policy_spec({"name": "replay", "ratio": 1.5})
     with pytest.raises(PolicyConfigError, match=r"'replay'.*serving policy, where a filter was expected"):
         build_chain([policy_spec({"name": "replay"})], Filter)
     with pytest.raises(ValidationError, match="cannot import module 'no_such_mod'"):
