@@ -4,6 +4,11 @@ A run config names the bus and the store, the policies with their models,
 trainers and filter chains, the workflow, the data sources, the curators, the
 RaaS workers and the evaluation. Every component command (``astraflow run``,
 ``acquire``, ``raas``, ``policy``, ``trainer``) reads the same file.
+
+The sections a package's components need live in that package (:mod:`producers.config`, :mod:`policies.config`,
+:mod:`trainer.config`); this module composes them into :class:`RunConfig`, validates the whole file once, and cuts
+each component its own section (:meth:`RunConfig.raas_section`, :meth:`RunConfig.acquisition_section`,
+:meth:`RunConfig.controller_section`).
 """
 from __future__ import annotations
 
