@@ -42,20 +42,26 @@ def test_run_preflight_rejects_bad_config(tmp_path, override, message):
     assert not any(tmp_path.iterdir())  # nothing was started or written
 
 
-@pytest.mark.parametrize("command, options", [
-    (["run"], []), (["acquire"], []), (["raas"], []), (["policy"], ["--policy", "actor"]),
-    (["trainer"], ["--policy", "actor"]), (["controller"], []), (["exporter"], []), (["tracker"], []),
-    (["replay"], ["--policy", "actor"]), (["eval"], ["--policy", "actor"]), (["control", "pause"], [])])
-@pytest.mark.parametrize("override, message", [
-    ("curators=[{name: filter_solved, treshold: 0.5}]", "curators.0.filter_solved.treshold: Extra inputs are not "
-                                                        "permitted"),
+#: a bad field of each kind of plugin, and what the refusal says
+BAD_PLUGIN_FIELDS = [
+    ("curators=[{name: filter_solved, treshold: 0.5}]",
+     "curators.0.filter_solved.treshold: Extra inputs are not permitted"),
     ("policies.actor.filters=[{name: filter_length, max_tokenz: 64}]",
      "policies.actor.filters.0.filter_length.max_tokenz: Extra inputs are not permitted"),
     ("policies.actor.serving=[{name: replay, ratoi: 0.5}]",
      "policies.actor.serving.0.replay.ratoi: Extra inputs are not permitted"),
     ("policies.actor.serving=[{name: replay, ratio: 1.5}]",
      "policies.actor.serving.0.replay: policy 'replay', parameter 'ratio': must be in [0, 1), got 1.5"),
-])
+]
+#: every command that reads a run config, with the options it needs
+CONFIG_COMMANDS = [(["acquire"], []), (["raas"], []), (["policy"], ["--policy", "actor"]),
+                   (["trainer"], ["--policy", "actor"]), (["controller"], []), (["exporter"], []), (["tracker"], []),
+                   (["replay"], ["--policy", "actor"]), (["eval"], ["--policy", "actor"]), (["control", "pause"], [])]
+
+
+@pytest.mark.parametrize("command, options, override, message", [
+    *[(["run"], [], *bad) for bad in BAD_PLUGIN_FIELDS],  # every kind by astraflow run, each command one kind
+    *[(*cmd, *BAD_PLUGIN_FIELDS[i % len(BAD_PLUGIN_FIELDS)]) for i, cmd in enumerate(CONFIG_COMMANDS)]])
 def test_every_command_refuses_a_bad_plugin_field_before_starting(tmp_path, command, options, override, message):
     """The run config, plugins included, is validated when it is read: each command exits 2 naming the field."""
     args = [*command, "examples/arith-tiny.yaml", f"run_dir={tmp_path}", override, *options]
