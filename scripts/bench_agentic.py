@@ -274,7 +274,6 @@ def sync_child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.sync_child)
     from astraflow.config import load_config
-    from weights.models import resolve_model
     from producers.engine_batcher import EngineBatcher
     from producers.engines import SamplingParams
     from producers.hf_engine import HFEngine
@@ -282,6 +281,7 @@ def sync_child(args: argparse.Namespace) -> None:
     from producers.sources import load_source
     from producers.workflows import get_workflow
     from trainer.loop import Trainer
+    from weights.models import resolve_model
 
     base = load_config(args.config, args.set)
     policy = the_policy(base)

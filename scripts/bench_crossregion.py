@@ -735,8 +735,8 @@ def main() -> None:
                  f"KAFKA_PORT={args.kafka_port} scripts/kafka-local.sh start")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up as Ctrl-C does
 
-    from weights.models import tiny_model_dir
     from trainer.model import load_causal_lm
+    from weights.models import tiny_model_dir
 
     model_dir = tiny_model_dir()
     model_bytes = sum(t.numel() * 2 for t in load_causal_lm(model_dir, "bfloat16").state_dict().values())
