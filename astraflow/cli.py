@@ -475,7 +475,7 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     err = Console(stderr=True)
     try:
-        result = replay_run(cfg, policy, publish_as=publish_as,
+        result = replay_run(cfg.replay_section(policy), publish_as=publish_as,
                             on_version=lambda v, sha: err.print(f"replayed {policy} v{v}: sha256 {sha[:16]}"))
     except ValueError as e:  # a bad --publish-as
         typer.echo(str(e), err=True)

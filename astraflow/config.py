@@ -8,7 +8,7 @@ RaaS workers and the evaluation. Every component command (``astraflow run``,
 The sections a package's components need live in that package (:mod:`producers.config`, :mod:`policies.config`,
 :mod:`trainer.config`); this module composes them into :class:`RunConfig`, validates the whole file once, and cuts
 each component its own section (:meth:`RunConfig.raas_section`, :meth:`RunConfig.acquisition_section`,
-:meth:`RunConfig.controller_section`).
+:meth:`RunConfig.controller_section`, :meth:`RunConfig.replay_section`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from policies.config import AcceptAllConfig, CuratorSpec, FilterSpec, ServingSpec
-from producers.config import (AcquisitionSection, DataConfig, RaasConfig, RaasSection, RolloutPolicyConfig,
+from producers.config import (AcquisitionSection, DataConfig, RaasConfig, RaasSection, RolloutPolicyConfig, RunAddress,
                               SamplingConfig, ToolsConfig, WorkflowConfig)
 from topics.kafka_security import KafkaSecurity
 from trainer.config import TrainerConfig
@@ -216,6 +216,18 @@ class ControllerSection(_Strict):
     controller: ControllerConfig = Field(description="its own settings")
 
 
+class ReplaySection(RunAddress):
+    """What a replay of one policy takes (:func:`astraflow.replay.replay_run`)."""
+
+    store: str = Field(description="the run's weight store, file:///abs/dir or s3://bucket/prefix")
+    policy: str = Field(description="the policy replayed")
+    model: str = Field(description="its model, as the config names it")
+    trainer: TrainerConfig = Field(description="its trainer config as its trainer used it (RunConfig.trainer_config)")
+    steps: int = Field(ge=1, description="versions to replay at most")
+    batch_groups: int = Field(ge=1, description="groups per step when re-served")
+    max_staleness: int = Field(ge=0, description="the staleness bound when re-served")
+
+
 class RunConfig(_Strict):
     """A whole run. ``bus`` and ``store`` default to the embedded bus and a local store in ``run_dir``."""
 
@@ -301,6 +313,17 @@ class RunConfig(_Strict):
         """What the scaling controller takes of this config."""
         return ControllerSection(run=self.run, workflow=self.workflow.name, policies=list(self.policies),
                                  workers=self.raas.workers, controller=self.controller)
+
+    def replay_section(self, policy: str) -> ReplaySection:
+        """What a replay of ``policy`` takes of this config.
+
+        Raises:
+            KeyError: ``policy`` is not in ``policies``.
+        """
+        pc = self.policies[policy]
+        return ReplaySection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store, policy=policy,
+                             model=pc.model, trainer=self.trainer_config(policy), steps=pc.steps,
+                             batch_groups=pc.batch_groups, max_staleness=pc.max_staleness)
 
     def trainer_config(self, policy: str) -> TrainerConfig:
         """Policy ``policy``'s trainer config as its trainer uses it: named ``policy``, dividing logits by

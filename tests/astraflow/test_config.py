@@ -85,6 +85,10 @@ def test_each_component_gets_its_own_section():
     assert [(c.name, c.p_easy) for c in acquisition.curators] == [("greso", 0.3)]
     assert (acquisition.curated_policy, acquisition.workflow, "store" in type(acquisition).model_fields) == \
         ("actor", cfg.workflow.name, False)
+    replay = cfg.replay_section("actor")
+    assert (replay.policy, replay.model, replay.trainer, replay.steps) == ("actor", cfg.policies["actor"].model,
+                                                                          cfg.trainer_config("actor"),
+                                                                          cfg.policies["actor"].steps)
     controller = cfg.controller_section()
     assert (controller.policies, controller.workers, controller.workflow) == (["actor"], cfg.raas.workers,
                                                                               cfg.workflow.name)
