@@ -37,6 +37,18 @@ def _load(config: Path, overrides: Optional[list[str]]):
         raise typer.Exit(2)
 
 
+def _load_policy(config: Path, overrides: Optional[list[str]], policy: Optional[str]):
+    """The config and the policy ``--policy`` names (None: the config's only policy), or exit with status 2 and
+    the policies the config has."""
+    cfg = _load(config, overrides)
+    if policy is None and len(cfg.policies) == 1:
+        policy = next(iter(cfg.policies))
+    if policy not in cfg.policies:
+        typer.echo(f"unknown policy {policy!r}; give --policy, one of {sorted(cfg.policies)}", err=True)
+        raise typer.Exit(2)
+    return cfg, policy
+
+
 def _admin(cfg):
     """The config's bus admin, or exit with status 2 and one line saying why the bus cannot be used."""
     from topics.bus import BusError, connect
@@ -54,6 +66,7 @@ def _component_setup(name: str, cfg) -> threading.Event:
     that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launched.watch_launcher`). SIGUSR1
     writes every thread's stack to the log (:func:`faulthandler.register`). The process first pins itself to the CPUs the launcher placed it on (:func:`astraflow.placement.apply_placement`)."""
     from astraflow.launched import watch_launcher
+    from topics.layout import ensure_run_topics
     from topics.names import TopicNames
 
     from astraflow.placement import apply_placement
@@ -67,7 +80,7 @@ def _component_setup(name: str, cfg) -> threading.Event:
         signal.signal(sig, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
     logging.getLogger("astraflow").info("%s on %s", name, placed)
-    _admin(cfg).ensure_run_topics(TopicNames(cfg.run), list(cfg.policies))
+    ensure_run_topics(_admin(cfg), TopicNames(cfg.run), list(cfg.policies))
     watch_launcher(name, stop)
     # Everything imported so far (torch, transformers: ~10^6 objects) lives as long as the process: out of the
     # collector's sight, its full collections and the one at exit skip it (1 s of CPU less per exit, measured)
@@ -120,7 +133,7 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     cfg = _load(config, overrides)
     stop = _component_setup("acquire", cfg)
     try:
-        sent = acquire_run(cfg, stop)
+        sent = acquire_run(cfg.acquisition_section(), stop)
     except SourceError as e:
         typer.echo(f"acquisition stopped: {e}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT)
@@ -135,7 +148,12 @@ WORKER_ID = r"[A-Za-z0-9._-]{1,64}"
 def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
          worker_id: str = typer.Option("0", "--worker-id",
                                        help="unique id of this worker within the run (letters, digits, . _ -), "
-                                            "e.g. a number or the container's hostname")) -> None:
+                                            "e.g. a number or the container's hostname"),
+         vllm_url: Optional[list[str]] = typer.Option(None, "--vllm-url", help="POLICY=URL: the vLLM server of a "
+                                                      "policy with engine: vllm and no vllm.url (astraflow run "
+                                                      "gives the one it started)"),
+         search_url: Optional[str] = typer.Option(None, "--search-url", help="the search server, when tools.search "
+                                                  "has no url (astraflow run gives the one it started)")) -> None:
     """Run one rollout worker: join the `raas.<workflow>` consumer group on `prompts`, roll out,
     write groups to `trajectories.<policy>`. Start more to scale out; SIGTERM stops it cleanly."""
     from producers.raas import RaasWorker
@@ -144,8 +162,13 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         typer.echo(f"--worker-id {worker_id!r}: use 1-64 letters, digits, '.', '_' or '-'", err=True)
         raise typer.Exit(2)
     cfg = _load(config, overrides)
+    vllm_urls = dict(u.partition("=")[::2] for u in vllm_url or [])
+    bad = [u for u in vllm_url or [] if "=" not in u or u.partition("=")[0] not in cfg.policies]
+    if bad:
+        typer.echo(f"--vllm-url {bad[0]!r}: give POLICY=URL, POLICY one of {sorted(cfg.policies)}", err=True)
+        raise typer.Exit(2)
     stop = _component_setup(f"raas-{worker_id}", cfg)
-    RaasWorker(cfg, worker_id).run(stop)
+    RaasWorker(cfg.raas_section(), worker_id, vllm_urls=vllm_urls, search_url=search_url).run(stop)
 
 
 @app.command()
@@ -163,10 +186,7 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from policies.registry import build_chain
     from topics.bus import connect
 
-    cfg = _load(config, overrides)
-    if policy not in cfg.policies:
-        typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
-        raise typer.Exit(2)
+    cfg, policy = _load_policy(config, overrides, policy)
     fp = cfg.policies[policy].filter_processor
     if instance >= fp.instances:
         typer.echo(f"--instance {instance} is not below policies.{policy}.filter_processor.instances "
@@ -193,19 +213,16 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     trainer ...`): rank 0 reads the bus, publishes and checkpoints, all ranks train (FSDP2 or ZeRO)."""
     if local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    from astraflow.models import resolve_model
     from policies.registry import build_serving
     from topics.bus import connect
     from topics.names import TopicNames
     from trainer.distributed import leave
     from trainer.service import ServiceConfig, TrainerService
+    from weights.models import resolve_model
     from weights.publisher import Publisher
     from weights.store import WeightStore
 
-    cfg = _load(config, overrides)
-    if policy not in cfg.policies:
-        typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
-        raise typer.Exit(2)
+    cfg, policy = _load_policy(config, overrides, policy)
     pc = cfg.policies[policy]
     stop = _component_setup(f"trainer.{policy}", cfg)
     try:
@@ -259,7 +276,7 @@ def controller(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES
         typer.echo(f"invalid controller config {config}: {e}", err=True)
         raise typer.Exit(2)
     stop = _component_setup("controller", cfg)
-    run_controller(cfg, connect(cfg.bus, cfg.kafka), stop)
+    run_controller(cfg.controller_section(), connect(cfg.bus, cfg.kafka), stop)
 
 
 #: the highest ``astraflow control throttle --per-minute``: far above any rollout rate, and small enough to encode
@@ -424,10 +441,7 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     (bit-exact on CPU); without them, the serving stage re-serves the topic (not bit-exact).
     Prints a table and a JSON line {"metric": "replay", "versions", "matched", "mismatched", ...};
     exits 1 when an exact replay mismatches or cannot find its groups."""
-    cfg = _load(config, overrides)
-    if policy not in cfg.policies:
-        typer.echo(f"unknown policy {policy!r}; the config has {sorted(cfg.policies)}", err=True)
-        raise typer.Exit(2)
+    cfg, policy = _load_policy(config, overrides, policy)
     threads = threads if threads is not None else int(os.environ.get("OMP_NUM_THREADS") or 1)
     if threads < 1:
         typer.echo(f"--threads must be >= 1, got {threads}", err=True)
@@ -436,13 +450,13 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from rich.console import Console
     from rich.table import Table
 
-    from consumers.replay import ReplayError, replay_run
+    from astraflow.replay import ReplayError, replay_run
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     err = Console(stderr=True)
     try:
-        result = replay_run(cfg, policy, publish_as=publish_as,
+        result = replay_run(cfg.replay_section(policy), publish_as=publish_as,
                             on_version=lambda v, sha: err.print(f"replayed {policy} v{v}: sha256 {sha[:16]}"))
     except ValueError as e:  # a bad --publish-as
         typer.echo(str(e), err=True)
@@ -531,12 +545,7 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from weights.puller import WeightsUnavailable
     from weights.store import StoreError
 
-    cfg = _load(config, overrides)
-    if policy is None and len(cfg.policies) == 1:
-        policy = next(iter(cfg.policies))
-    if policy not in cfg.policies:
-        typer.echo(f"unknown policy {policy!r}; give --policy, one of {sorted(cfg.policies)}", err=True)
-        raise typer.Exit(2)
+    cfg, policy = _load_policy(config, overrides, policy)
     k = cfg.eval.k if k is None else k
     temperature = cfg.eval.temperature if temperature is None else temperature
     limit = cfg.eval.limit if limit is None else limit
@@ -562,7 +571,8 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         prompts += found
     kwargs = dict(k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
     stop = _component_setup(f"eval.{policy}", cfg) if live else None
-    with standalone_engine(cfg, policy, cfg.run_dir) as engine:
+    pc = cfg.policies[policy]
+    with standalone_engine(policy, pc, pc.trainer.param_dtype, cfg.run_dir) as engine:
         if live:
             LiveEvaluator(connect(cfg.bus, cfg.kafka), cfg.store, cfg.run, policy, engine, prompts, **kwargs).run(stop)
             return

@@ -4,6 +4,11 @@ A run config names the bus and the store, the policies with their models,
 trainers and filter chains, the workflow, the data sources, the curators, the
 RaaS workers and the evaluation. Every component command (``astraflow run``,
 ``acquire``, ``raas``, ``policy``, ``trainer``) reads the same file.
+
+The sections a package's components need live in that package (:mod:`producers.config`, :mod:`policies.config`,
+:mod:`trainer.config`); this module composes them into :class:`RunConfig`, validates the whole file once, and cuts
+each component its own section (:meth:`RunConfig.raas_section`, :meth:`RunConfig.acquisition_section`,
+:meth:`RunConfig.controller_section`, :meth:`RunConfig.replay_section`).
 """
 from __future__ import annotations
 
@@ -13,6 +18,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from policies.config import AcceptAllConfig, CuratorSpec, FilterSpec, ServingSpec
+from producers.config import (AcquisitionSection, DataConfig, RaasConfig, RaasSection, RolloutPolicyConfig, RunAddress,
+                              SamplingConfig, ToolsConfig, WorkflowConfig)
 from topics.kafka_security import KafkaSecurity
 from trainer.config import TrainerConfig
 
@@ -23,60 +31,6 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class SourceConfig(_Strict):
-    """One prompt source: a registered name (``arith``, ``gsm8k``, ``math500``, ...) or a file path."""
-
-    name: str = Field(min_length=1)
-    weight: float = Field(default=1.0, gt=0, description="mixing weight across sources")
-    adapter: str | None = Field(default=None, description="record adapter for a file source")
-    split: str | None = None
-    limit: int | None = Field(default=None, ge=1, description="use only the first N records")
-
-
-class DataConfig(_Strict):
-    """Acquisition: sources, group size G, epochs and shuffling, and what a bad record costs.
-
-    A bad record (not UTF-8, not JSON, a missing field, a prompt over ``max_prompt_chars``) is
-    logged with its ``path:line``, counted and written to ``deadletter``, and acquisition goes on;
-    with ``strict`` it stops there instead and exits non-zero (``producers/acquisition.py``).
-    """
-
-    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(name="arith")], min_length=1)
-    n_samples: int = Field(default=8, ge=1, description="G: samples per prompt")
-    epochs: int = Field(default=1, ge=1)
-    shuffle_seed: int = 0
-    max_outstanding: int = Field(default=256, ge=1, description="prompts written but not yet taken by RaaS")
-    max_prompt_chars: int | None = Field(
-        default=32768, ge=1, description="longest prompt acquisition accepts, counted in characters of the prompt's "
-                                         "text (acquisition loads no tokenizer); a longer one is rejected to "
-                                         "deadletter. None: no limit. RaaS also rejects, in tokens, a prompt that "
-                                         "does not fit its model's context")
-    strict: bool = Field(default=False, description="stop acquisition at the first bad record (exit non-zero) "
-                                                    "instead of rejecting it to deadletter and going on")
-
-    @model_validator(mode="after")
-    def _distinct_source_names(self) -> "DataConfig":
-        from producers.sources import source_name
-
-        seen: dict[str, int] = {}
-        for i, src in enumerate(self.sources):
-            name = source_name(src.name)
-            if name in seen:
-                raise ValueError(f"sources[{seen[name]}] ({self.sources[seen[name]].name}) and sources[{i}] ({src.name}) "
-                                 f"share the source name {name!r}, which every prompt_id is made of: their records "
-                                 "would get the same ids and one's be dropped as the other's duplicates (rename a file)")
-            seen[name] = i
-        return self
-
-
-class SamplingConfig(_Strict):
-    """Rollout sampling. The trainer divides logits by the same temperature."""
-
-    max_new_tokens: int = Field(default=8, ge=1, description="tokens per turn")
-    temperature: float = Field(default=1.0, gt=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
 
 
 class FilterProcessorConfig(_Strict):
@@ -95,138 +49,29 @@ class FilterProcessorConfig(_Strict):
                                    "processor that leaves records waiting at unmoved committed offsets for 40 s more")
 
 
-#: ``sglang.launch_server`` arguments the SGLang engine sets itself (``sglang.launch_args`` must not repeat them)
-SGLANG_OWN_ARGS = ("--model-path", "--host", "--port", "--weight-version")
+class PolicyConfig(RolloutPolicyConfig):
+    """One trained policy: its model, engine (:class:`~producers.config.RolloutPolicyConfig`), trainer and data
+    policies."""
 
-
-class SGLangConfig(_Strict):
-    """How a policy's SGLang engine (``engine: sglang``) reaches its server: attach to ``url``, or (no
-    ``url``) launch ``python -m sglang.launch_server`` in each RaaS worker on ``port`` with ``launch_args``
-    (``producers/sglang_engine.py``)."""
-
-    url: str | None = Field(default=None, description="attach to a running SGLang server (http://host:port); "
-                                                      "None: each worker launches its own")
-    port: int | None = Field(default=None, ge=1, le=65535, description="the launched server's port; None: a free "
-                             "port, so that two policies or workers on one host never collide")
-    launch_args: list[str] = Field(default_factory=list, description="extra sglang.launch_server arguments, "
-                                   "e.g. [--mem-fraction-static, '0.5', --tp-size, '2']")
-    startup_timeout_s: float = Field(default=600.0, gt=0, description="seconds to wait for the server's /health")
-    timeout_s: float = Field(default=600.0, gt=0, description="per-request HTTP timeout, seconds (a generation or "
-                             "one weight-update request)")
-    bucket_bytes: int = Field(default=256 << 20, ge=1, description="tensor bytes per /update_weights_from_tensor "
-                              "request (a larger tensor goes alone)")
-    attempts: int = Field(default=5, ge=1, description="tries per HTTP call (connection errors and 5xx answers are "
-                          "retried with exponential back-off)")
-    pause_mode: Literal["abort", "in_place"] = Field(default="abort", description="how a weight update pauses the "
-                                                     "server: abort (other clients' requests in flight are aborted; "
-                                                     "the radix cache is flushed) or in_place (they are kept; needs "
-                                                     "a server launched with --disable-radix-cache)")
-
-    @model_validator(mode="after")
-    def _attach_or_launch(self) -> "SGLangConfig":
-        if self.url is not None and (self.port is not None or self.launch_args):
-            raise ValueError("sglang.url attaches to a running server: sglang.port and sglang.launch_args are "
-                             "for a launched one (leave url unset to launch)")
-        own = [a for a in self.launch_args if a.split("=", 1)[0] in SGLANG_OWN_ARGS]
-        if own:
-            raise ValueError(f"sglang.launch_args has {own}: the engine sets {', '.join(SGLANG_OWN_ARGS)} itself "
-                             "(use sglang.port for the port)")
-        return self
-
-
-class VLLMConfig(_Strict):
-    """How a policy's vLLM engine (``engine: vllm``) reaches its server: attach to ``url``, or (no ``url``)
-    ``astraflow run`` starts one server per policy, the component ``vllm.<policy>`` (``producers/vllm_server.py``),
-    in vLLM's own venv, in the dtype the trainer publishes (``trainer.param_dtype``)."""
-
-    url: str | None = Field(default=None, description="attach to a running server (http://host:port), started with "
-                            "AstraFlow's worker extension and VLLM_SERVER_DEV_MODE=1; None: astraflow run starts one")
-    port: int | None = Field(default=None, ge=1, le=65535, description="the started server's port; None: a free one")
-    python: Path = Field(default=Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python",
-                         description="the vLLM venv's interpreter (scripts/install_vllm.sh makes it)")
-    args: list[str] = Field(default_factory=list, description="extra vllm api_server arguments")
-    max_model_len: int | None = Field(default=None, ge=1, description="longest prompt plus completion, tokens "
-                                      "(None: the model's own limit)")
-    kv_cache_gib: float = Field(default=1.0, gt=0, description="KV cache of the CPU backend (VLLM_CPU_KVCACHE_SPACE)")
-    startup_timeout_s: float = Field(default=900.0, gt=0, description="how long RaaS workers wait for its /health")
-    started_url: str | None = Field(default=None, description="set by astraflow run for its RaaS workers: the URL of "
-                                    "the server it started for this policy (not for users: set url to attach)")
-
-    @property
-    def server(self) -> str | None:
-        """The URL RaaS workers use: ``url``, else ``started_url``."""
-        return self.url or self.started_url
-
-    @model_validator(mode="after")
-    def _attach_or_start(self) -> "VLLMConfig":
-        if self.url is not None and ({"port", "args", "max_model_len", "kv_cache_gib", "python"}
-                                     & self.model_fields_set):
-            raise ValueError("vllm.url attaches to a running server: vllm.port, args, max_model_len, kv_cache_gib "
-                             "and python are for a started one (leave url unset)")
-        return self
-
-
-class PolicyConfig(_Strict):
-    """One trained policy: its model, engine, trainer and data policies."""
-
-    model: str = Field(min_length=1, description="an HF model directory, or 'tiny' for the built-in tiny model")
-    engine: Literal["hf", "sglang", "vllm"] = "hf"
-    sglang: SGLangConfig = Field(default_factory=SGLangConfig, description="the SGLang server (engine: sglang)")
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="the vLLM server (engine: vllm)")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    batch_groups: int = Field(default=16, ge=1, description="groups per training step")
     steps: int = Field(default=100, ge=1, description="training steps on the lineage of the final weights, then stop "
                        "(the final version is higher by the versions a resume skipped: trainer/service.py)")
-    max_staleness: int = Field(default=8, ge=0, description="versions; older samples are dropped")
-    checkpoint_every: int = Field(default=10, ge=1, description="steps between checkpoints")
     keep_versions: int | None = Field(default=None, ge=1, description="weight versions kept in the store: after each "
                                       "publish, objects no chain to the newest N needs are deleted; None keeps all")
-    filters: list[dict[str, Any]] = Field(default_factory=lambda: [{"name": "accept_all"}])
+    filters: list[FilterSpec] = Field(default_factory=lambda: [AcceptAllConfig(name="accept_all")],
+                                      description="the filter chain, in order (policies/config.py)")
     filter_processor: FilterProcessorConfig = Field(default_factory=FilterProcessorConfig)
-    serving: list[dict[str, Any]] = Field(default_factory=list, description="at most one replay policy, e.g. "
-                                          "[{name: replay, ratio: 0.5}] (policies/registry.py: build_serving)")
-
-    @model_validator(mode="after")
-    def _engine_settings_fit(self) -> "PolicyConfig":
-        for engine in ("sglang", "vllm"):
-            if engine in self.model_fields_set and self.engine != engine:
-                raise ValueError(f"{engine} settings apply to engine: {engine}, and engine is {self.engine!r}")
-        if self.engine == "vllm" and self.vllm.url is None and not self.vllm.python.exists():
-            raise ValueError(f"engine: vllm starts a server with {self.vllm.python}, which does not exist: run "
-                             "scripts/install_vllm.sh, or set vllm.python, or vllm.url for a running server")
-        return self
+    serving: list[ServingSpec] = Field(default_factory=list, description="at most one serving policy, e.g. "
+                                       "[{name: replay, ratio: 0.5}] (policies/config.py)")
 
     @model_validator(mode="after")
     def _serving_within_bound(self) -> "PolicyConfig":
         for i, spec in enumerate(self.serving):
-            bound = spec.get("max_staleness") if isinstance(spec, dict) else None
+            bound = getattr(spec, "max_staleness", None)
             if isinstance(bound, int) and bound > self.max_staleness:
                 raise ValueError(f"serving[{i}].max_staleness {bound} is above max_staleness {self.max_staleness}: "
                                  "a serving policy obeys the policy's bound (left out, it is that bound)")
         return self
-
-
-class WorkflowConfig(_Strict):
-    """The agent workflow and which policy plays each of its roles."""
-
-    name: str = "single_turn"
-    roles: dict[str, str] = Field(default_factory=dict, description="role -> policy name")
-    options: dict[str, Any] = Field(default_factory=dict, description="workflow options, e.g. max_turns")
-
-
-class RaasConfig(_Strict):
-    """Rollout workers."""
-
-    workers: int = Field(default=1, ge=1)
-    batch_prompts: int = Field(default=8, ge=1, description="prompts per rollout batch")
-    max_inflight_groups: int | None = Field(
-        default=None, ge=1, description="per policy: pause while more of its groups than this wait for its filters "
-                                        "and trainer; at least each policy's batch_groups (else a trainer could "
-                                        "starve); None: batch_groups x max(max_staleness, 1) per policy")
-    session_timeout_s: float = Field(default=30.0, gt=0, description="seconds before a dead worker's prompts move")
-    max_episodes: int = Field(default=256, ge=1, description="the most samples (episodes) a worker rolls out at "
-                              "once, over every prompt in flight (a sample that ended while the others of its group "
-                              "run does not count); a prompt starts while fewer are running")
 
 
 class EvalConfig(_Strict):
@@ -263,75 +108,6 @@ class TrackingConfig(_Strict):
         if "wandb_mode" in self.model_fields_set and self.wandb_mode is not None and self.wandb_project is None:
             raise ValueError(f"tracking.wandb_mode={self.wandb_mode} applies to W&B: set tracking.wandb_project")
         return self
-
-
-class SearchLatency(_Strict):
-    """The search server's latency per request: log-normal with this median and 99th percentile (seconds;
-    mu = ln(median), sigma = ln(p99 / median) / 2.3263). median_s 0: no delay."""
-
-    median_s: float = Field(default=0.0, ge=0, description="median latency, seconds; 0: no delay")
-    p99_s: float = Field(default=0.0, ge=0, description="99th percentile latency, seconds (>= median_s)")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> "SearchLatency":
-        if self.median_s == 0 and self.p99_s > 0:
-            raise ValueError(f"p99_s={self.p99_s} with median_s=0 (no delay): set median_s too")
-        if self.p99_s < self.median_s:
-            raise ValueError(f"p99_s ({self.p99_s}) is below median_s ({self.median_s})")
-        return self
-
-
-class SearchFaults(_Strict):
-    """Faults the search server injects, each a probability per request (seeded: ``tools.search.seed``)."""
-
-    hang: float = Field(default=0.0, ge=0, le=1, description="never answer in time (sleep hang_s)")
-    error: float = Field(default=0.0, ge=0, le=1, description="answer HTTP 500 with a text body")
-    garbage: float = Field(default=0.0, ge=0, le=1, description="answer HTTP 200 with a body that is not JSON")
-    hang_s: float = Field(default=3600.0, gt=0, description="seconds a hung request sleeps")
-
-    @model_validator(mode="after")
-    def _at_most_one(self) -> "SearchFaults":
-        if self.hang + self.error + self.garbage > 1 + 1e-9:
-            raise ValueError(f"hang + error + garbage = {self.hang + self.error + self.garbage:g} > 1")
-        return self
-
-
-class SearchToolConfig(_Strict):
-    """The ``search`` tool of agent episodes (:mod:`producers.search_tool`): attach to the server at ``url``, or
-    (no ``url``) ``astraflow run`` starts one, the component ``search`` (``astraflow search-server``,
-    :mod:`producers.search_server`), and passes its URL to the RaaS workers as ``started_url``."""
-
-    url: str | None = Field(default=None, description="attach to a running search server (http://host:port); "
-                            "None: astraflow run starts one")
-    corpus: Path | None = Field(default=None, description="the started server's JSONL corpus ({doc_id, text} a "
-                                "line); None: the built-in producers/data/search_kb.jsonl")
-    port: int | None = Field(default=None, ge=1, le=65535, description="the started server's port; None: a free one")
-    latency: SearchLatency = Field(default_factory=SearchLatency)
-    faults: SearchFaults = Field(default_factory=SearchFaults)
-    seed: int = Field(default=0, description="seed of the started server's latency and fault draws")
-    timeout_s: float = Field(default=5.0, gt=0, description="the client's bound on one call, seconds")
-    top_k: int = Field(default=1, ge=1, description="results per call")
-    started_url: str | None = Field(default=None, description="set by astraflow run for its RaaS workers: the URL of "
-                                    "the server it started (not for users: set url to attach)")
-
-    @property
-    def server(self) -> str | None:
-        """The URL RaaS workers use: ``url``, else ``started_url``."""
-        return self.url or self.started_url
-
-    @model_validator(mode="after")
-    def _attach_or_start(self) -> "SearchToolConfig":
-        started = sorted({"corpus", "port", "latency", "faults", "seed"} & self.model_fields_set)
-        if self.url is not None and started:
-            raise ValueError(f"url attaches to a running server: {', '.join(started)} are for a started one "
-                             "(leave url unset)")
-        return self
-
-
-class ToolsConfig(_Strict):
-    """The tools agent episodes may call."""
-
-    search: SearchToolConfig | None = Field(default=None, description="the search tool; None: no search")
 
 
 class Placement(_Strict):
@@ -430,6 +206,28 @@ class ControllerConfig(_Strict):
         return self
 
 
+class ControllerSection(_Strict):
+    """What the scaling controller takes (:func:`astraflow.controller.run_controller`)."""
+
+    run: str = Field(description="the run name every topic and group is prefixed with")
+    workflow: str = Field(description="the workflow whose RaaS workers it scales")
+    policies: list[str] = Field(min_length=1, description="the run's policies, whose trainers it observes")
+    workers: int = Field(ge=1, description="the workers it starts from when control holds no decision yet")
+    controller: ControllerConfig = Field(description="its own settings")
+
+
+class ReplaySection(RunAddress):
+    """What a replay of one policy takes (:func:`astraflow.replay.replay_run`)."""
+
+    store: str = Field(description="the run's weight store, file:///abs/dir or s3://bucket/prefix")
+    policy: str = Field(description="the policy replayed")
+    model: str = Field(description="its model, as the config names it")
+    trainer: TrainerConfig = Field(description="its trainer config as its trainer used it (RunConfig.trainer_config)")
+    steps: int = Field(ge=1, description="versions to replay at most")
+    batch_groups: int = Field(ge=1, description="groups per step when re-served")
+    max_staleness: int = Field(ge=0, description="the staleness bound when re-served")
+
+
 class RunConfig(_Strict):
     """A whole run. ``bus`` and ``store`` default to the embedded bus and a local store in ``run_dir``."""
 
@@ -445,7 +243,8 @@ class RunConfig(_Strict):
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    curators: list[dict[str, Any]] = Field(default_factory=list)
+    curators: list[CuratorSpec] = Field(default_factory=list, description="the curators acquisition's prompts "
+                                        "pass, in order (policies/config.py)")
     raas: RaasConfig = Field(default_factory=RaasConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -496,6 +295,35 @@ class RunConfig(_Strict):
                                  "by the temperature the rollouts were sampled at, or the importance ratios are "
                                  "biased; leave it unset to follow sampling.temperature")
         return self
+
+    def raas_section(self) -> RaasSection:
+        """What a RaaS worker takes of this config."""
+        return RaasSection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store,
+                           policies={p: pc.rollout_part() for p, pc in self.policies.items()},
+                           workflow=self.workflow, sampling=self.sampling, n_samples=self.data.n_samples,
+                           raas=self.raas, tools=self.tools)
+
+    def acquisition_section(self) -> AcquisitionSection:
+        """What acquisition takes of this config: its curators gate the prompts of the first policy."""
+        return AcquisitionSection(run=self.run, bus=self.bus, kafka=self.kafka, run_dir=self.run_dir, seed=self.seed,
+                                  data=self.data, workflow=self.workflow.name, curators=self.curators,
+                                  curated_policy=next(iter(self.policies)))
+
+    def controller_section(self) -> ControllerSection:
+        """What the scaling controller takes of this config."""
+        return ControllerSection(run=self.run, workflow=self.workflow.name, policies=list(self.policies),
+                                 workers=self.raas.workers, controller=self.controller)
+
+    def replay_section(self, policy: str) -> ReplaySection:
+        """What a replay of ``policy`` takes of this config.
+
+        Raises:
+            KeyError: ``policy`` is not in ``policies``.
+        """
+        pc = self.policies[policy]
+        return ReplaySection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store, policy=policy,
+                             model=pc.model, trainer=self.trainer_config(policy), steps=pc.steps,
+                             batch_groups=pc.batch_groups, max_staleness=pc.max_staleness)
 
     def trainer_config(self, policy: str) -> TrainerConfig:
         """Policy ``policy``'s trainer config as its trainer uses it: named ``policy``, dividing logits by

@@ -27,8 +27,14 @@ compose or Kubernetes, called by the controller once the decision is on ``contro
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from astraflow.config import ControllerSection
+    from topics.bus import Bus
 
 
 @dataclass
@@ -132,8 +138,8 @@ class ScalingController:
         return decision
 
 
-def run_controller(cfg, bus, stop) -> None:
-    """``astraflow controller``: follow the run's ``metrics`` as the consumer group ``<run>.controller``, observe
+def run_controller(cfg: ControllerSection, bus: Bus, stop: threading.Event) -> None:
+    """``astraflow controller`` (its section of the run config, ``cfg``): follow the run's ``metrics`` as the consumer group ``<run>.controller``, observe
     every ``controller.interval_s`` and write each decision to ``control`` (a ``target_replicas``
     :class:`~topics.schemas.Control` keyed ``raas.<workflow>``, its reason included), until ``stop`` is set.
 
@@ -164,14 +170,14 @@ def run_controller(cfg, bus, stop) -> None:
 
     log = logging.getLogger("astraflow.controller")
     c, names = cfg.controller, TopicNames(cfg.run)
-    key = f"raas.{cfg.workflow.name}"
+    key = f"raas.{cfg.workflow}"
     resume = LatestByKey(bus, names.control, Control, client_id=f"{cfg.run}.controller-resume")
     try:
         last = resume.read_to_end().get(key)
     finally:
         resume.close()
     resumed = last is not None and last.action == "target_replicas" and last.value
-    workers = last.value if resumed else cfg.raas.workers
+    workers = last.value if resumed else cfg.workers
     actuator = build_actuator(c)
     actuation = Actuation(actuator, retry_s=c.interval_s) if actuator is not None else None
     if actuation is not None and resumed:
@@ -179,7 +185,7 @@ def run_controller(cfg, bus, stop) -> None:
     ctl = ScalingController(workers=workers, min_workers=c.min_workers, max_workers=c.max_workers,
                             starved_above=c.starved_above, busy_below=c.busy_below, paused_above=c.paused_above,
                             window=c.window, cooldown_s=c.cooldown_s)
-    monitor = RunMonitor(bus, names, list(cfg.policies), cfg.workflow.name, group=f"{cfg.run}.controller",
+    monitor = RunMonitor(bus, names, cfg.policies, cfg.workflow, group=f"{cfg.run}.controller",
                          keep=False)
     producer = bus.producer()
     wait: dict[str, float] = {}  # policy -> newest wait_frac

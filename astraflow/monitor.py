@@ -15,6 +15,7 @@ from rich.table import Table
 
 from topics.bus import Bus, BusError, TopicPartition, offsets_after
 from topics.codec import MessageError, decode
+from topics.layout import RunTopics
 from topics.names import TopicNames
 from topics.schemas import DeadLetter, Metric
 
@@ -72,7 +73,7 @@ class RunMonitor:
         self.bus, self.names, self.policies, self.workflow = bus, names, policies, workflow
         self.admin = bus.admin()
         self.consumer = bus.consumer(group or f"monitor.{uuid.uuid4().hex[:8]}")
-        self.admin.create_topic(names.deadletter, partitions=4)  # subscribed before any component made it
+        RunTopics(names).deadletter.create(self.admin)  # subscribed before any component made it
         self.consumer.subscribe([names.metrics, names.deadletter])
         self.views = {p: PolicyView() for p in policies}
         self.components: dict[str, Metric] = {}

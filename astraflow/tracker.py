@@ -38,8 +38,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from astraflow.files import atomic_write
 from astraflow.monitor import RunMonitor
+from topics.atomic_write import atomic_write
 from topics.bus import Bus, BusError, FatalBusError
 from topics.names import TopicNames
 from topics.schemas import Metric

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from astraflow.config import RunConfig
 from topics.bus import connect
 from topics.codec import encode, headers_for
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import Control
 
@@ -77,7 +78,7 @@ def send_command(cfg: RunConfig, message: Control, worker: str | None) -> Sent:
     admin = bus.admin()
     started = names.control in admin.list_topics()
     members = admin.group_members(names.raas_group(cfg.workflow.name)) if started and worker is not None else {}
-    admin.ensure_run_topics(names, list(cfg.policies))
+    ensure_run_topics(admin, names, list(cfg.policies))
     producer = bus.producer()
     producer.send(names.control, encode(message), key=message.key(), headers=headers_for(message))
     producer.flush()

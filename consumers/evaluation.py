@@ -248,12 +248,13 @@ class LiveEvaluator:
     def __init__(self, bus: Bus, store_uri: str, run: str, policy: str, engine: Engine, prompts: Sequence[Prompt],
                  on_result: Callable[[EvalResult], None] | None = None, **eval_kwargs) -> None:
         from producers.engine_sync import EngineSync
+        from topics.layout import ensure_run_topics
         from topics.names import TopicNames
         from weights.puller import Puller
         from weights.store import WeightStore
 
         self.names, self.policy, self.engine, self.prompts = TopicNames(run), policy, engine, list(prompts)
-        bus.admin().ensure_run_topics(self.names, [policy])  # idempotent; eval may start before the run
+        ensure_run_topics(bus.admin(), self.names, [policy])  # idempotent; eval may start before the run
         self.component = f"eval.{policy}"
         self.on_result, self.eval_kwargs = on_result, eval_kwargs
         self.puller = Puller(WeightStore(store_uri, run), bus, self.names, policy)

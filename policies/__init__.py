@@ -4,6 +4,8 @@ filters and replay (DESIGN.md, steps 2, 4, 5, 8). Staleness is bounded by the se
 sources are mixed by weight at acquisition (``data.sources[].weight``).
 
 - :mod:`policies.base`: ``Curator``, ``Filter``, ``ServingPolicy``, ``Decision``, ``PolicyConfigError``.
+- :mod:`policies.config`: the typed configs of the built-ins and of a user's ``module:Class``, in the discriminated
+  unions a run config's ``filters``, ``curators`` and ``serving`` are read through; ``policy_spec``.
 - :mod:`policies.registry`: ``register_policy``, ``build_policy``, ``build_chain``, ``build_serving``,
   ``known_policies``.
 - :mod:`policies.processor`: ``FilterProcessor``, ``CuratorGate`` (run by ``astraflow policy`` and ``astraflow acquire``).

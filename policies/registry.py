@@ -1,22 +1,25 @@
 """The policy registry and config loading (DESIGN.md, step 9 "Compose").
 
-A run's config lists policies in order, each an entry ``{"name": ..., **params}``.
-``name`` is either a registered name (``"greso"``, ``"filter_zero_adv"``, ...)
+A run's config lists policies in order, each an entry ``{"name": ..., **params}``, read into a typed config
+(:mod:`policies.config`). ``name`` is either a registered name (``"greso"``, ``"filter_zero_adv"``, ...)
 or ``"package.module:Class"``, a user's own class imported with importlib
 from the user's code (the module must be importable, i.e. on ``sys.path``).
 
 Example::
 
-    filters = build_chain([{"name": "filter_zero_adv"},
-                           {"name": "filter_length", "max_tokens": 4096}], Filter)
+    filters = build_chain([policy_spec({"name": "filter_zero_adv"}),
+                           policy_spec({"name": "filter_length", "max_tokens": 4096})], Filter)
 """
 from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterable, TypeVar
 
 from policies.base import Policy, PolicyConfigError
+
+if TYPE_CHECKING:
+    from policies.config import PolicySpec
 
 P = TypeVar("P", bound=type)
 
@@ -86,52 +89,40 @@ def resolve_policy(name: str) -> type[Policy]:
     return cls
 
 
-def build_policy(spec: Mapping[str, Any]) -> Policy:
-    """Instantiate one policy from its config entry ``{"name": ..., **params}``.
+def build_policy(spec: PolicySpec) -> Policy:
+    """Instantiate one policy from its typed config (:mod:`policies.config`, whose validation checked the name and
+    the parameters' names and types).
 
     Raises:
-        PolicyConfigError: unknown name, an unknown or missing parameter, or a
-            parameter value the policy rejects (the error names both).
+        PolicyConfigError: a parameter value the policy rejects (the error names both).
     """
-    if not isinstance(spec, Mapping):
-        raise PolicyConfigError(repr(spec), "a policy entry must be a mapping {name: ..., **params}")
-    params = dict(spec)
-    name = params.pop("name", None)
+    name = spec.name
     cls = resolve_policy(name)
     try:
-        inspect.signature(cls).bind(**params)
-    except TypeError as e:
-        accepted = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
-        bad = next((p for p in params if p not in accepted), None)
-        raise PolicyConfigError(name, f"{e}; accepted parameters: {', '.join(accepted) or 'none'}",
-                                param=bad) from None
-    try:
-        return cls(**params)
+        return cls(**spec.params())
     except PolicyConfigError:
         raise
     except (TypeError, ValueError) as e:
         raise PolicyConfigError(name, str(e)) from None
 
 
-def build_chain(specs: Iterable[Mapping[str, Any]], kind: type[Policy] = Policy) -> list[Policy]:
+def build_chain(specs: Iterable[PolicySpec], kind: type[Policy] = Policy) -> list[Policy]:
     """Instantiate the ordered policies of ``specs``, each required to be a ``kind``
     (:class:`Curator`, :class:`Filter` or :class:`ServingPolicy`).
 
     Raises:
         PolicyConfigError: as :func:`build_policy`, or a policy of the wrong kind.
     """
-    if isinstance(specs, (str, bytes, Mapping)):
-        raise PolicyConfigError(repr(specs)[:40], "policies must be a list of {name: ..., **params} entries")
     out = []
     for spec in specs:
         policy = build_policy(spec)
         if not isinstance(policy, kind):
-            raise PolicyConfigError(spec["name"], f"is a {policy.kind} policy, where a {kind.kind} was expected")
+            raise PolicyConfigError(spec.name, f"is a {policy.kind} policy, where a {kind.kind} was expected")
         out.append(policy)
     return out
 
 
-def build_serving(specs: Iterable[Mapping[str, Any]]) -> Policy | None:
+def build_serving(specs: Iterable[PolicySpec]) -> Policy | None:
     """The trainer's serving policy, as its serving stage takes it: at most one (e.g. ``replay``), or None.
     The serving stage applies the policy's ``max_staleness`` itself.
 

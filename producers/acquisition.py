@@ -36,18 +36,18 @@ import random
 import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from astraflow.files import atomic_write
+from producers.config import AcquisitionSection
 from producers.sources import PromptSource, SourceError, load_source, prompt_id
+from topics.atomic_write import atomic_write
 from topics.bus import Bus, Producer
 from topics.codec import encode, headers_for
+from topics.layout import PARTITIONS, RunTopics
 from topics.names import TopicNames
 from topics.patience import patiently
 from topics.schemas import DeadLetter
 
-if TYPE_CHECKING:
-    from astraflow.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class AcquisitionState:
         return state
 
     def save(self, path: Path) -> None:
-        """Write the state atomically (:func:`astraflow.files.atomic_write`)."""
+        """Write the state atomically (:func:`topics.atomic_write.atomic_write`)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps(asdict(self)))
 
@@ -141,7 +141,7 @@ class Acquisition:
     def __init__(self, bus: Bus, names: TopicNames, source: PromptSource, *, state_path: str | Path | None = None,
                  n_samples: int = 8, workflow: str = "single_turn", epochs: int = 1, seed: int = 0,
                  shuffle: bool = True, batch_size: int = 64, max_outstanding: int | None = None,
-                 group: str | None = None, partitions: int = 4, producer_id: str = "acquisition",
+                 group: str | None = None, partitions: int = PARTITIONS, producer_id: str = "acquisition",
                  metadata: dict[str, Any] | None = None, poll_s: float = 0.5, gate: Any = None,
                  strict: bool = False):
         if epochs < 1 or batch_size < 1 or (max_outstanding is not None and max_outstanding < 1):
@@ -209,9 +209,9 @@ class Acquisition:
         stop = stop or threading.Event()
         if not self._topics_ready:  # once: acquire_run calls this for every batch, and the broker may be away
             admin = self.bus.admin()
-            for topic in (self.names.prompts, self.names.deadletter):
-                patiently(f"acquire: topic {topic}", lambda t=topic: admin.create_topic(t, partitions=self.partitions),
-                          log=log)
+            topics = RunTopics(self.names, self.partitions)
+            for spec in (topics.prompts, topics.deadletter):
+                patiently(f"acquire: topic {spec.name}", lambda s=spec: s.create(admin), log=log)
             self._topics_ready = True
         producer = self.bus.producer()
         total = self.epochs * len(self.source)
@@ -302,8 +302,9 @@ class _Progress:
             self._bar.stop()
 
 
-def acquire_run(cfg: "RunConfig", stop: threading.Event | None = None) -> int:
-    """Acquisition for a run config: every source of ``cfg.data``, mixed by weight, through the curators.
+def acquire_run(cfg: AcquisitionSection, stop: threading.Event | None = None) -> int:
+    """Acquisition for a run (its section of the run config, :meth:`astraflow.config.RunConfig.acquisition_section`):
+    every source of ``cfg.data``, mixed by weight, through the curators.
 
     Sources are interleaved batch by batch, each sending ``round(batch * weight / max weight)``
     prompts per turn, until every source has finished its epochs. With curators
@@ -326,11 +327,10 @@ def acquire_run(cfg: "RunConfig", stop: threading.Event | None = None) -> int:
 
     stop = stop or threading.Event()
     bus, names = connect(cfg.bus, cfg.kafka), TopicNames(cfg.run)
-    state_dir = Path(cfg.run_dir) / "acquisition"
+    state_dir = cfg.run_dir / "acquisition"
     gate = None
     if cfg.curators:
-        policy = next(iter(cfg.policies))
-        gate = CuratorGate(bus, cfg.run, build_chain(cfg.curators, Curator), policy=policy)
+        gate = CuratorGate(bus, cfg.run, build_chain(cfg.curators, Curator), policy=cfg.curated_policy)
     acqs = []
     for i, src in enumerate(cfg.data.sources):
         source = load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed,
@@ -339,7 +339,7 @@ def acquire_run(cfg: "RunConfig", stop: threading.Event | None = None) -> int:
             source = replace(source, records=source.records[:src.limit])
         acqs.append((src.weight, Acquisition(
             bus, names, source, state_path=state_dir / f"{i}-{source.name}.json", n_samples=cfg.data.n_samples,
-            workflow=cfg.workflow.name, epochs=cfg.data.epochs, seed=cfg.data.shuffle_seed,
+            workflow=cfg.workflow, epochs=cfg.data.epochs, seed=cfg.data.shuffle_seed,
             max_outstanding=cfg.data.max_outstanding, gate=gate, strict=cfg.data.strict)))
     top = max(w for w, _ in acqs)
     sent = 0

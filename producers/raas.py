@@ -50,10 +50,9 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
-from astraflow.config import RunConfig
-from astraflow.models import resolve_model
+from producers.config import RaasSection, RolloutPolicyConfig, ToolsConfig
 from producers.engine_batcher import EngineBatcher
 from producers.engine_sync import EngineSync
 from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, SamplingParams
@@ -67,22 +66,21 @@ from topics.deadletter import ValidatingConsumer, send_to_deadletter
 from topics.follow import LatestByKey
 from topics.names import TopicNames
 from topics.schemas import Control, Metric, Prompt, RolloutOutcome, TrainerProgress, TrajectoryGroup
+from weights.models import resolve_model
 from weights.puller import Puller, WeightsUnavailable
 from weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 
 
-def make_engine(cfg: RunConfig, policy: str, vllm_url: str | None = None) -> Engine:
-    """The inference engine of ``policy``: HFEngine (CPU default); SGLangEngine, which attaches to
-    ``sglang.url`` or launches a server on ``sglang.port`` (None: a free port) with ``sglang.launch_args``;
-    or VLLMEngine, a client of the server at ``vllm_url`` (a server this process started), else ``vllm.url``
-    (or the one ``astraflow run`` started).
+def make_engine(policy: str, pc: RolloutPolicyConfig, vllm_url: str | None = None) -> Engine:
+    """The inference engine of ``policy`` (its config ``pc``): HFEngine (CPU default); SGLangEngine, which attaches
+    to ``sglang.url`` or launches a server on ``sglang.port`` (None: a free port) with ``sglang.launch_args``;
+    or VLLMEngine, a client of the server at ``vllm.url``, else at ``vllm_url`` (the one ``astraflow run`` started).
 
     Raises:
-        ValueError: ``engine: vllm`` without a server's URL.
+        ValueError: ``engine: vllm`` with neither ``vllm.url`` nor ``vllm_url``.
     """
-    pc = cfg.policies[policy]
     if pc.engine == "sglang":
         from producers.sglang_engine import SGLangEngine
 
@@ -93,7 +91,7 @@ def make_engine(cfg: RunConfig, policy: str, vllm_url: str | None = None) -> Eng
     if pc.engine == "vllm":
         from producers.vllm_engine import VLLMEngine
 
-        url = vllm_url or pc.vllm.server
+        url = pc.vllm.url or vllm_url
         if url is None:
             raise ValueError(f"policies.{policy}.vllm.url is not set: a RaaS worker started by hand needs the URL of "
                              "a running server (`astraflow run` starts one and tells its workers)")
@@ -102,16 +100,16 @@ def make_engine(cfg: RunConfig, policy: str, vllm_url: str | None = None) -> Eng
 
 
 @contextlib.contextmanager
-def standalone_engine(cfg: RunConfig, policy: str, log_dir: Path) -> Iterator[Engine]:
-    """The engine of ``policy`` for a process outside ``astraflow run`` (``astraflow eval``): :func:`make_engine`'s;
-    for ``engine: vllm`` without ``vllm.url``, a vLLM server of its own as ``astraflow run`` would start it (the
-    policy's ``vllm`` settings, in the dtype the trainer publishes, its log ``log_dir/eval-vllm.<policy>.log``),
-    waited for up to ``vllm.startup_timeout_s``. Closed (a started server stopped) on exit.
+def standalone_engine(policy: str, pc: RolloutPolicyConfig, dtype: str, log_dir: Path) -> Iterator[Engine]:
+    """The engine of ``policy`` (its config ``pc``) for a process outside ``astraflow run`` (``astraflow eval``):
+    :func:`make_engine`'s; for ``engine: vllm`` without ``vllm.url``, a vLLM server of its own as ``astraflow run``
+    would start it (the policy's ``vllm`` settings, in ``dtype``, the one its trainer publishes, its log
+    ``log_dir/eval-vllm.<policy>.log``), waited for up to ``vllm.startup_timeout_s``. Closed (a started server
+    stopped) on exit.
 
     Raises:
         RuntimeError: the started server did not become healthy (the message carries its log's tail).
     """
-    pc = cfg.policies[policy]
     with contextlib.ExitStack() as stack:
         url = None
         if pc.engine == "vllm" and pc.vllm.url is None:
@@ -119,29 +117,34 @@ def standalone_engine(cfg: RunConfig, policy: str, log_dir: Path) -> Iterator[En
 
             log_dir.mkdir(parents=True, exist_ok=True)
             server = stack.enter_context(VLLMServer(
-                resolve_model(pc.model), log_dir / f"eval-vllm.{policy}.log", dtype=pc.trainer.param_dtype,
+                resolve_model(pc.model), log_dir / f"eval-vllm.{policy}.log", dtype=dtype,
                 max_model_len=pc.vllm.max_model_len, extra=pc.vllm.args, python=pc.vllm.python,
                 port=pc.vllm.port, kv_cache_gib=pc.vllm.kv_cache_gib))
             log.info("started a vLLM server for %s at %s (log %s)", policy, server.url, server.log_path)
             server.wait_healthy(pc.vllm.startup_timeout_s)
             url = server.url
-        engine = make_engine(cfg, policy, vllm_url=url)
+        engine = make_engine(policy, pc, vllm_url=url)
         stack.callback(getattr(engine, "close", lambda: None))  # a launched SGLang server is stopped too
         yield engine
 
 
-def make_tools(cfg: RunConfig) -> dict[str, Tool]:
+def make_tools(tools: ToolsConfig, search_url: str | None = None) -> dict[str, Tool]:
     """The tools the run's episodes call, by name: ``search`` (:class:`producers.search_tool.SearchTool`) when
-    ``tools.search`` is configured, at its ``url`` (the service ``astraflow run`` started, or an external one)."""
-    search = cfg.tools.search
+    ``tools.search`` is configured, at its ``url``, else at ``search_url`` (the server ``astraflow run`` started).
+
+    Raises:
+        ValueError: ``tools.search`` with neither ``url`` nor ``search_url``.
+    """
+    search = tools.search
     if search is None:
         return {}
-    if search.server is None:
+    url = search.url or search_url
+    if url is None:
         raise ValueError("tools.search.url is not set: a RaaS worker started by hand needs the URL of a running "
                          "search server (`astraflow run` starts one and tells its workers)")
     from producers.search_tool import SearchTool
 
-    return {"search": SearchTool(search.server, timeout_s=search.timeout_s, top_k=search.top_k)}
+    return {"search": SearchTool(url, timeout_s=search.timeout_s, top_k=search.top_k)}
 
 
 def context_length(model_dir: str | Path) -> int | None:
@@ -156,15 +159,20 @@ class RaasWorker:
     """One rollout worker.
 
     Args:
-        cfg: the run config.
+        cfg: the worker's section of the run config (:meth:`astraflow.config.RunConfig.raas_section`).
         worker_id: unique among this run's workers, a number or a name (names the producer and the static group member).
         bus: the bus (default: ``connect(cfg.bus, cfg.kafka)``).
+        vllm_urls: policy -> the URL of the vLLM server ``astraflow run`` started for it (a policy with
+            ``vllm.url`` set uses that).
+        search_url: the URL of the search server ``astraflow run`` started (``tools.search.url`` wins).
 
     Raises:
         KeyError: the workflow or one of its policies is unknown.
+        ValueError: an engine or tool whose server has no URL.
     """
 
-    def __init__(self, cfg: RunConfig, worker_id: int | str = 0, bus: Bus | None = None):
+    def __init__(self, cfg: RaasSection, worker_id: int | str = 0, bus: Bus | None = None, *,
+                 vllm_urls: Mapping[str, str] | None = None, search_url: str | None = None):
         self.cfg, self.id = cfg, f"raas-{worker_id}"
         self.bus = bus or connect(cfg.bus, cfg.kafka)
         self.names = TopicNames(cfg.run)
@@ -175,7 +183,7 @@ class RaasWorker:
         if missing:
             raise KeyError(f"workflow {cfg.workflow.name!r} needs policies {sorted(missing)} that the config "
                            f"does not define (policies: {sorted(cfg.policies)})")
-        self.engines = {p: make_engine(cfg, p) for p in self.policies}
+        self.engines = {p: make_engine(p, cfg.policies[p], (vllm_urls or {}).get(p)) for p in self.policies}
         self.context = {p: context_length(resolve_model(cfg.policies[p].model)) for p in self.policies}
         store = WeightStore(cfg.store, cfg.run)
         self.pullers = {p: Puller(store, self.bus, self.names, p) for p in self.policies}
@@ -206,7 +214,7 @@ class RaasWorker:
         self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=64,
                                                                              thread_name_prefix=f"{self.id}-io"))
         self.batchers = {p: EngineBatcher(e, name=f"{self.id}-{p}") for p, e in self.engines.items()}
-        self.tools: dict[str, Tool] = make_tools(cfg)
+        self.tools: dict[str, Tool] = make_tools(cfg.tools, search_url)
         self.ledger = PromptLedger()
         # rollout task -> [its prompt's record, its episodes still running (workflows.episode_ended)]
         self.episodes: dict[asyncio.Task, list] = {}
@@ -484,7 +492,7 @@ class RaasWorker:
         if reason and not self.episodes:  # a pause usually ends with a new weight version: wait for one, briefly
             for puller in self.pullers.values():
                 puller.poll(timeout_s=0.1 / len(self.pullers))
-        per_prompt = max(1, self.cfg.data.n_samples)
+        per_prompt = max(1, self.cfg.n_samples)
         n = min(self.cfg.raas.batch_prompts, room or self.cfg.raas.batch_prompts, max(1, free // per_prompt))
         self._admit(self.prompts.poll(n, 0.0 if reason or self.episodes else 0.5))
         self.ledger.polled(self.prompts.last_offsets)  # dead-lettered undecodable records included

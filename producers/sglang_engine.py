@@ -111,7 +111,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from astraflow.config import SGLANG_OWN_ARGS
+from producers.config import SGLANG_OWN_ARGS
 from producers.engines import (Engine, EngineUpdateError, Generation, GenerationInterrupted, SamplingParams,
                                check_prompts)
 
@@ -161,7 +161,7 @@ def launch_command(model_path: str | Path, host: str, port: int, launch_args: Se
 
     Raises:
         ValueError: ``launch_args`` sets an argument the engine sets itself
-            (:data:`astraflow.config.SGLANG_OWN_ARGS`).
+            (:data:`producers.config.SGLANG_OWN_ARGS`).
     """
     own = [a for a in launch_args if a.split("=", 1)[0] in SGLANG_OWN_ARGS]
     if own:

@@ -274,7 +274,6 @@ def sync_child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.sync_child)
     from astraflow.config import load_config
-    from astraflow.models import resolve_model
     from producers.engine_batcher import EngineBatcher
     from producers.engines import SamplingParams
     from producers.hf_engine import HFEngine
@@ -282,6 +281,7 @@ def sync_child(args: argparse.Namespace) -> None:
     from producers.sources import load_source
     from producers.workflows import get_workflow
     from trainer.loop import Trainer
+    from weights.models import resolve_model
 
     base = load_config(args.config, args.set)
     policy = the_policy(base)
@@ -453,7 +453,7 @@ def trl_status(model: str) -> str:
     try:
         from transformers import AutoTokenizer
 
-        from astraflow.models import resolve_model
+        from weights.models import resolve_model
 
         template = AutoTokenizer.from_pretrained(resolve_model(model)).chat_template
     except Exception as e:  # noqa: BLE001 - only a reason string is made here
@@ -473,7 +473,7 @@ def trl_status(model: str) -> str:
         from trl.chat_template_utils import supports_tool_calling
         from transformers import AutoTokenizer
 
-        from astraflow.models import resolve_model
+        from weights.models import resolve_model
 
         ok = supports_tool_calling(AutoTokenizer.from_pretrained(resolve_model(model)))
     except Exception as e:  # noqa: BLE001
@@ -586,7 +586,7 @@ def main() -> None:
 def bench(args: argparse.Namespace, source: Path) -> None:
     """The grid: every arm at every latency, ``--rounds`` times, interleaved; prints the report."""
     from astraflow.config import load_config
-    from astraflow.models import resolve_model
+    from weights.models import resolve_model
 
     latencies, arms, rounds = args.latencies, args.arms, args.rounds
     cfg = load_config(args.config, args.set)

@@ -118,12 +118,12 @@ def sync_child(args: argparse.Namespace, threads: int) -> None:
 
     torch.set_num_threads(threads)
     from astraflow.config import load_config
-    from astraflow.models import resolve_model
     from producers.engines import SamplingParams
     from producers.hf_engine import HFEngine
     from producers.sources import load_source
     from producers.workflows import get_workflow
     from trainer.loop import Trainer
+    from weights.models import resolve_model
 
     cfg = load_config(CONFIG, workload_overrides(args))
     pc = cfg.policies["actor"]

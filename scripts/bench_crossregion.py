@@ -560,6 +560,7 @@ def measure(args, model_dir: Path, rate_bit: int, bus_rate_bit: int, work: Path)
     import httpx
 
     from topics.bus import connect
+    from topics.layout import ensure_run_topics
     from topics.names import TopicNames
 
     t_start = time.monotonic()
@@ -590,7 +591,7 @@ def measure(args, model_dir: Path, rate_bit: int, bus_rate_bit: int, work: Path)
         bus = connect(f"kafka://{kafka}")
         names = TopicNames(run)
         admin = bus.admin()
-        admin.ensure_run_topics(names, [POLICY])
+        ensure_run_topics(admin, names, [POLICY])
         stack.callback(quietly, lambda: [admin.delete_topic(t) for t in admin.list_topics() if t.startswith(f"{run}.")])
         trainer_log = work / "trainer.log"
         trainer = start_trainer(args, kafka, run, work / run, bucket, s3_port, trainer_log)
@@ -734,8 +735,8 @@ def main() -> None:
                  f"KAFKA_PORT={args.kafka_port} scripts/kafka-local.sh start")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up as Ctrl-C does
 
-    from astraflow.models import tiny_model_dir
     from trainer.model import load_causal_lm
+    from weights.models import tiny_model_dir
 
     model_dir = tiny_model_dir()
     model_bytes = sum(t.numel() * 2 for t in load_causal_lm(model_dir, "bfloat16").state_dict().values())

@@ -82,13 +82,13 @@ def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: in
 
     torch.set_num_threads(threads)
     from astraflow.config import load_config
-    from astraflow.models import resolve_model
-    from producers.engines import SamplingParams
     from producers.engine_batcher import EngineBatcher
+    from producers.engines import SamplingParams
     from producers.hf_engine import HFEngine
     from producers.sources import load_source
     from producers.workflows import get_workflow
     from trainer.loop import Trainer
+    from weights.models import resolve_model
 
     cfg = load_config(CONFIG)
     policies = ("solver", "verifier")

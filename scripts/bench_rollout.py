@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astraflow.models import tiny_model_dir  # noqa: E402
+from weights.models import tiny_model_dir  # noqa: E402
 from producers.engines import SamplingParams  # noqa: E402
 from producers.hf_engine import HFEngine  # noqa: E402
 from producers.workflows import prompt_ids  # noqa: E402

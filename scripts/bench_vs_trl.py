@@ -68,9 +68,9 @@ def trl_worker(steps: int, seed: int, out: Path, t0: float) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from astraflow.models import resolve_model
     from producers.rewards import arith_reward
     from producers.sources import load_source
+    from weights.models import resolve_model
 
     torch.manual_seed(seed)
     model_dir = resolve_model("tiny")

@@ -16,7 +16,7 @@ stops as soon as that accuracy is within ``[0.35, 0.5]`` (the target band is
 [0.2, 0.5], DESIGN.md), so RL has room to improve it.
 
 Usage: ``scripts/make_tiny_model.py [--out DIR] [--steps N] [--seed S]``; without
-``--out`` it builds (once) into the shared cache (:func:`astraflow.models.tiny_model_dir`)
+``--out`` it builds (once) into the shared cache (:func:`weights.models.tiny_model_dir`)
 and prints the directory.
 """
 from __future__ import annotations
@@ -224,14 +224,14 @@ def main() -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None,
-                        help="output directory (default: the shared cache, astraflow.models.tiny_model_dir)")
+                        help="output directory (default: the shared cache, weights.models.tiny_model_dir)")
     parser.add_argument("--steps", type=int, default=300, help="most SFT steps")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.out is None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from astraflow.models import tiny_model_dir
+        from weights.models import tiny_model_dir
 
         print(tiny_model_dir())
     else:

@@ -29,7 +29,7 @@ target band :data:`ACC_RANGE`, so that RL has room to improve it.
 
 Usage: ``scripts/make_tiny_search_model.py [--out DIR] [--steps N] [--seed S]``;
 without ``--out`` it builds (once) into the shared cache
-(:func:`astraflow.models.built_model_dir` of ``tiny-search``) and prints the
+(:func:`weights.models.built_model_dir` of ``tiny-search``) and prints the
 directory. ``--temperature T`` prints the sampled accuracy at ``T`` over all 512
 questions of the model in ``--out`` (or the cached one), building it first only if it is missing.
 """
@@ -318,7 +318,7 @@ def main() -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None,
-                        help="output directory (default: the shared cache, astraflow.models.built_model_dir)")
+                        help="output directory (default: the shared cache, weights.models.built_model_dir)")
     parser.add_argument("--steps", type=int, default=600, help="most SFT steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=None,
@@ -328,7 +328,7 @@ def main() -> None:
     if args.out is None or args.temperature is not None:
         if args.out is None:
             sys.path.insert(0, str(ROOT))
-            from astraflow.models import built_model_dir
+            from weights.models import built_model_dir
 
             out = built_model_dir("tiny-search")
         else:

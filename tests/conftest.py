@@ -95,8 +95,8 @@ def bus_url(request, tmp_path) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     """Directory of the tiny arithmetic model (``scripts/make_tiny_model.py``), built once and cached
-    (see :func:`astraflow.models.tiny_model_dir`)."""
-    from astraflow.models import tiny_model_dir as build
+    (see :func:`weights.models.tiny_model_dir`)."""
+    from weights.models import tiny_model_dir as build
     return build()
 
 

@@ -273,19 +273,6 @@ class Admin(abc.ABC):
     def start_offsets(self, topic: str) -> dict[int, int]:
         """Per partition, the earliest retained offset."""
 
-    def ensure_run_topics(self, names: "TopicNames", policies: Iterable[str], partitions: int = 4) -> None:
-        """Create every topic of a run: compacted ``weights``, ``control``, ``state`` and ``trained``, the rest
-        plain."""
-        for topic in (names.prompts, names.outcomes, names.metrics, names.deadletter):
-            self.create_topic(topic, partitions=partitions)
-        for policy in policies:
-            self.create_topic(names.trajectories(policy), partitions=partitions)
-            self.create_topic(names.samples(policy), partitions=partitions)
-        self.create_topic(names.weights, partitions=1, compacted=True)
-        self.create_topic(names.control, partitions=1, compacted=True)
-        self.create_topic(names.state, partitions=1, compacted=True)
-        self.create_topic(names.trained, partitions=1, compacted=True)
-
 
 class Bus(abc.ABC):
     """A connection to one bus; makes producers, consumers and an admin."""
@@ -367,5 +354,3 @@ def connect(url: str, security: "KafkaSecurity | None" = None) -> Bus:
         return LocalBus(rest)
     raise BusError(f"bus URL {url!r}: unknown scheme {scheme!r} (use kafka:// or local://)")
 
-
-from topics.names import TopicNames  # noqa: E402  (for the ensure_run_topics annotation)

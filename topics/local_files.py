@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from astraflow.files import atomic_write
+from topics.atomic_write import atomic_write
 
 
 def now_ms() -> int:
@@ -33,7 +33,7 @@ def flocked(path: Path) -> Iterator[None]:
 
 
 def write_json(path: Path, obj: object) -> None:
-    """Replace ``path`` atomically (:func:`astraflow.files.atomic_write`) with ``obj`` as JSON."""
+    """Replace ``path`` atomically (:func:`topics.atomic_write.atomic_write`) with ``obj`` as JSON."""
     atomic_write(path, json.dumps(obj, sort_keys=True))
 
 

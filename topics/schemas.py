@@ -305,7 +305,7 @@ class TrainedBatch(Message):
     checkpoint's weights version ``u + 1`` and records that as a batch of no groups with
     ``base_version`` ``c``; versions ``c + 1 .. u`` are then off the policy's lineage, and
     :func:`trainer.service.trained_batches` leaves their records out (the steps were redone). Replay
-    (:mod:`consumers.replay`) and the exactly-once audit (:mod:`astraflow.audit`) read it.
+    (:mod:`astraflow.replay`) and the exactly-once audit (:mod:`astraflow.audit`) read it.
     """
 
     SCHEMA: ClassVar[str] = "TrainedBatch"

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from astraflow.files import atomic_write
+from topics.atomic_write import atomic_write
 from topics.bus import TopicPartition
 
 LATEST = "LATEST"

@@ -19,6 +19,7 @@ from typing import Mapping
 
 from topics.bus import Bus
 from topics.follow import Follower
+from topics.layout import RunTopics
 from topics.names import TopicNames
 from topics.schemas import WeightAnnouncement
 
@@ -45,7 +46,7 @@ class VersionBarrier:
             raise ValueError(f"version barrier: final versions must be >= 1, got {bad}")
         self.finals = dict(peers)
         self.newest = {p: 0 for p in peers}  # version 0 (the base model) needs no announcement
-        bus.admin().create_topic(names.weights, partitions=1, compacted=True)
+        RunTopics(names).weights.create(bus.admin())
         self._announcements = Follower(bus, names.weights, WeightAnnouncement,
                                        client_id=f"barrier-{'-'.join(sorted(peers))}")
 

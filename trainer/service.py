@@ -42,6 +42,7 @@ from topics.bus import Bus, BusError, FatalBusError, connect
 from topics.codec import encode, headers_for
 from topics.follow import LatestByKey
 from topics.kafka_security import KafkaSecurity
+from topics.layout import RunTopics
 from topics.names import TopicNames
 from topics.patience import patiently
 from topics.reader_watch import ReaderWatch
@@ -136,10 +137,9 @@ class TrainerService:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.bus = connect(cfg.bus, cfg.kafka)
         admin = self.bus.admin()
-        for topic in (self.names.samples(policy), self.names.metrics, self.names.deadletter):
-            admin.create_topic(topic, partitions=4)
-        admin.create_topic(self.names.control, partitions=1, compacted=True)
-        admin.create_topic(self.names.trained, partitions=1, compacted=True)
+        topics = RunTopics(self.names)
+        for spec in (topics.samples(policy), topics.metrics, topics.deadletter, topics.control, topics.trained):
+            spec.create(admin)
         self.producer = self.bus.producer()
         self.consumer = self.bus.consumer(self.names.trainer_group(policy), client_id=f"trainer.{policy}.{os.getpid()}",
                                           instance_id=f"trainer.{policy}")

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from astraflow.config import RunConfig
-from astraflow.files import atomic_write
+from topics.atomic_write import atomic_write
 from astraflow.launcher.plan import Component
 from astraflow.monitor import RunMonitor
 from topics.bus import BusError, connect

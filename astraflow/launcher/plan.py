@@ -58,10 +58,10 @@ def trainer_argv(ranks: int, config_path: Path, overrides: list[str], policy: st
 
 def vllm_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[str]]:
     """A vLLM server component per policy with ``engine: vllm`` and no ``vllm.url``, on ``vllm.port`` (None: a
-    free port), in the dtype its trainer publishes; and the overrides that point RaaS workers at them
-    (``policies.<p>.vllm.started_url=http://127.0.0.1:<port>``)."""
-    from astraflow.models import resolve_model
+    free port), in the dtype its trainer publishes; and the RaaS options that point the workers at them
+    (``--vllm-url <p>=http://127.0.0.1:<port>``)."""
     from producers.vllm_server import free_port, server_argv, server_env
+    from weights.models import resolve_model
 
     comps, urls = [], []
     for p, pc in cfg.policies.items():
@@ -73,14 +73,14 @@ def vllm_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[s
                              pc.vllm.max_model_len, pc.vllm.args)]
         comps.append(Component(f"vllm.{p}", argv, logs / f"vllm.{p}.log",
                                env=server_env(dict(os.environ), pc.vllm.kv_cache_gib)))
-        urls.append(f"policies.{p}.vllm.started_url=http://127.0.0.1:{port}")
+        urls += ["--vllm-url", f"{p}=http://127.0.0.1:{port}"]
     return comps, urls
 
 
 def search_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[str]]:
     """The search tool's server, component ``search`` (``astraflow search-server``), when ``tools.search`` is set
-    with no ``url``, on ``tools.search.port`` (None: a free port); and the override that points RaaS workers at it
-    (``tools.search.started_url=http://127.0.0.1:<port>``)."""
+    with no ``url``, on ``tools.search.port`` (None: a free port); and the RaaS options that point the workers at it
+    (``--search-url http://127.0.0.1:<port>``)."""
     s = cfg.tools.search
     if s is None or s.url is not None:
         return [], []
@@ -93,7 +93,7 @@ def search_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list
             "--hang", repr(s.faults.hang), "--error", repr(s.faults.error), "--garbage", repr(s.faults.garbage),
             "--hang-s", repr(s.faults.hang_s), "--seed", str(s.seed),
             *(["--corpus", str(s.corpus)] if s.corpus is not None else [])]
-    return [Component("search", argv, logs / "search.log", ready_url=url)], [f"tools.search.started_url={url}"]
+    return [Component("search", argv, logs / "search.log", ready_url=url)], ["--search-url", url]
 
 
 def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[Component]:
@@ -115,8 +115,8 @@ def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> 
             comps.append(Component(name, component_argv("policy", config_path, overrides, "--policy", p,
                                                          "--instance", str(i)), logs / f"{name}.log"))
     for i in range(cfg.raas.workers):
-        comps.append(Component(f"raas-{i}", component_argv("raas", config_path, [*overrides, *server_urls],
-                                                            "--worker-id", str(i)), logs / f"raas-{i}.log"))
+        comps.append(Component(f"raas-{i}", component_argv("raas", config_path, overrides, "--worker-id", str(i),
+                                                            *server_urls), logs / f"raas-{i}.log"))
     comps.append(Component("acquire", component_argv("acquire", config_path, overrides), logs / "acquire.log"))
     if cfg.controller.enabled:
         comps.append(Component("controller", component_argv("controller", config_path, overrides),

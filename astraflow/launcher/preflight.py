@@ -7,7 +7,7 @@ from astraflow.placement import check_placement
 
 def preflight(cfg: RunConfig) -> None:
     """Check what the config names before any process starts: the workflow and its options, the data
-    sources, each policy's filter chain, serving policies and model directory, the packages of the
+    sources, the curators, each policy's filter chain, serving policies and model directory, the packages of the
     tracking sinks, the placement's CPUs, and the scaling controller's actuator (its compose file or Kubernetes
     credentials; the bus is checked by the caller).
 
@@ -20,12 +20,12 @@ def preflight(cfg: RunConfig) -> None:
         FileNotFoundError: a model directory that does not exist.
         astraflow.tracker.TrackingUnavailable: a tracking sink is set and its package is not installed.
     """
-    from astraflow.models import BUILT_MODELS, resolve_model
     from astraflow.tracker import require_packages
-    from policies.base import Filter, PolicyConfigError
+    from policies.base import Curator, Filter, PolicyConfigError
     from policies.registry import build_chain, build_serving
     from producers.sources import load_source
     from producers.workflows import get_workflow
+    from weights.models import BUILT_MODELS, resolve_model
     from weights.store import StoreError, check_store_uri
 
     check_placement(cfg)
@@ -36,6 +36,10 @@ def preflight(cfg: RunConfig) -> None:
     get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None, **cfg.workflow.options)
     for src in cfg.data.sources:
         load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed)
+    try:
+        build_chain(cfg.curators, Curator)
+    except PolicyConfigError as e:
+        raise PolicyConfigError(e.policy, f"{e.reason} (curators)", e.param) from None
     for name, pc in cfg.policies.items():
         for field, build in (("filters", lambda: build_chain(pc.filters, Filter)),
                              ("serving", lambda: build_serving(pc.serving))):

@@ -19,6 +19,7 @@ from astraflow.launcher.view import VIEW_JOIN_S, LiveView
 from astraflow.launcher.watchdog import DataWatchdog
 from astraflow.monitor import RunMonitor
 from topics.bus import BusError, connect
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 
 
@@ -53,7 +54,7 @@ class Launcher:
         cfg, console, supervisor = self.cfg, self.console, self.supervisor
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         bus = connect(cfg.bus, cfg.kafka)
-        bus.admin().ensure_run_topics(self.names, list(cfg.policies))
+        ensure_run_topics(bus.admin(), self.names, list(cfg.policies))
         monitor = RunMonitor(bus, self.names, list(cfg.policies), cfg.workflow.name)
         t0 = time.monotonic()
         for c in self.components:

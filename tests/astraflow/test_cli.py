@@ -14,13 +14,16 @@ from astraflow.launched import EXIT_BAD_INPUT
 
 @pytest.mark.parametrize("override, message", [
     ("workflow.name=nope", "invalid run config examples/arith-tiny.yaml: unknown workflow 'nope'; registered: ["),
-    ("policies.actor.filters=[{name: nope}]", "policy 'nope': unknown policy; known: accept_all"),
-    ("policies.actor.serving=[{name: nope}]", "policy 'nope': unknown policy; known: accept_all"),
-    ("policies.actor.serving=[{name: mix, weights: {arith: 1}}]", "policy 'mix': unknown policy; known: accept_all"),
+    ("policies.actor.filters=[{name: nope}]", "policies.actor.filters.0: unknown policy name; known here: accept_all"),
+    ("policies.actor.serving=[{name: nope}]", "policies.actor.serving.0: unknown policy name; known here: replay, or "),
+    ("policies.actor.serving=[{name: mix, weights: {arith: 1}}]", "policies.actor.serving.0: unknown policy name"),
+    ("curators=[{name: greso, p_eazy: 0.3}]", "curators.0.greso.p_eazy: Extra inputs are not permitted"),
+    ("curators=[{name: greso, p_easy: 1.5}]", "curators.0.greso: policy 'greso', parameter 'p_easy': must be in "
+                                               "(0, 1], got 1.5"),
     ("policies.actor.serving=[{name: replay}, {name: replay}]",
      "policy 'replay': 2 serving policies given; the serving stage takes one (policies.actor.serving)"),
     ("policies.actor.serving=[{name: replay, ratio: 1.5}]",
-     "policy 'replay', parameter 'ratio': must be in [0, 1), got 1.5 (policies.actor.serving)"),
+     "policies.actor.serving.0.replay: policy 'replay', parameter 'ratio': must be in [0, 1), got 1.5"),
     ("policies.actor.serving=[{name: replay, ratio: 0.5, max_staleness: 8}]",  # the example's bound is 4
      "policies.actor: serving[0].max_staleness 8 is above max_staleness 4: a serving policy obeys the policy's bound"),
     ("policies.actor.model=/nonexistent", "/nonexistent is not an HF model directory"),
@@ -37,6 +40,50 @@ def test_run_preflight_rejects_bad_config(tmp_path, override, message):
     assert result.exit_code == 2
     assert message in result.output
     assert not any(tmp_path.iterdir())  # nothing was started or written
+
+
+#: a bad field of each kind of plugin, and what the refusal says
+BAD_PLUGIN_FIELDS = [
+    ("curators=[{name: filter_solved, treshold: 0.5}]",
+     "curators.0.filter_solved.treshold: Extra inputs are not permitted"),
+    ("policies.actor.filters=[{name: filter_length, max_tokenz: 64}]",
+     "policies.actor.filters.0.filter_length.max_tokenz: Extra inputs are not permitted"),
+    ("policies.actor.serving=[{name: replay, ratoi: 0.5}]",
+     "policies.actor.serving.0.replay.ratoi: Extra inputs are not permitted"),
+    ("policies.actor.serving=[{name: replay, ratio: 1.5}]",
+     "policies.actor.serving.0.replay: policy 'replay', parameter 'ratio': must be in [0, 1), got 1.5"),
+]
+#: every command that reads a run config, with the options it needs
+CONFIG_COMMANDS = [(["acquire"], []), (["raas"], []), (["policy"], ["--policy", "actor"]),
+                   (["trainer"], ["--policy", "actor"]), (["controller"], []), (["exporter"], []), (["tracker"], []),
+                   (["replay"], ["--policy", "actor"]), (["eval"], ["--policy", "actor"]), (["control", "pause"], [])]
+
+
+@pytest.mark.parametrize("command, options, override, message", [
+    *[(["run"], [], *bad) for bad in BAD_PLUGIN_FIELDS],  # every kind by astraflow run, each command one kind
+    *[(*cmd, *BAD_PLUGIN_FIELDS[i % len(BAD_PLUGIN_FIELDS)]) for i, cmd in enumerate(CONFIG_COMMANDS)]])
+def test_every_command_refuses_a_bad_plugin_field_before_starting(tmp_path, command, options, override, message):
+    """The run config, plugins included, is validated when it is read: each command exits 2 naming the field."""
+    args = [*command, "examples/arith-tiny.yaml", f"run_dir={tmp_path}", override, *options]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not any(tmp_path.iterdir())  # nothing was started or written
+
+
+def test_run_gives_its_raas_workers_the_vllm_server_it_starts_as_an_option(tmp_path, tiny_model_dir):
+    from astraflow.config import load_config
+    from astraflow.launcher.plan import plan_components
+
+    cfg = load_config(None, ["policies.actor.model=tiny", "policies.actor.engine=vllm", "policies.actor.vllm.port=8123",
+                             f"policies.actor.vllm.python={sys.executable}", f"run_dir={tmp_path}"])
+    raas = next(c for c in plan_components(cfg, tmp_path / "run.yaml", ["seed=1"]) if c.name == "raas-0")
+    assert raas.argv[raas.argv.index("--vllm-url") + 1] == "actor=http://127.0.0.1:8123"
+    assert "seed=1" in raas.argv and not any("started_url" in a for a in raas.argv)
+    refused = CliRunner().invoke(app, ["raas", "examples/arith-tiny.yaml", f"run_dir={tmp_path}",
+                                       "--vllm-url", "critic=http://127.0.0.1:8123"])
+    assert refused.exit_code == 2
+    assert "--vllm-url 'critic=http://127.0.0.1:8123': give POLICY=URL, POLICY one of ['actor']" in refused.output
 
 
 def test_unreachable_broker_is_one_line_on_stderr(tmp_path):

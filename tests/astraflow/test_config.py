@@ -73,3 +73,23 @@ def test_errors_name_the_field_and_reason(tmp_path):
         load_config(None, ["policies.actor.model=tiny", "workflow.roles.critic=critic"])
     # a whole-config check names its fields itself, without pydantic's "Value error," prefix
     assert str(e.value).splitlines()[1].startswith("  workflow.roles names policies ['critic']"), str(e.value)
+
+
+def test_each_component_gets_its_own_section():
+    cfg = load_config(ROOT / "examples/arith-tiny.yaml", ["curators=[{name: greso, p_easy: 0.3}]"])
+    raas = cfg.raas_section()
+    assert set(raas.policies["actor"].model_dump()) == {"model", "engine", "sglang", "vllm", "batch_groups",
+                                                        "max_staleness", "checkpoint_every"}
+    assert (raas.run, raas.store, raas.n_samples, raas.workflow.name) == (cfg.run, cfg.store, cfg.data.n_samples,
+                                                                          cfg.workflow.name)
+    acquisition = cfg.acquisition_section()
+    assert [(c.name, c.p_easy) for c in acquisition.curators] == [("greso", 0.3)]
+    assert (acquisition.curated_policy, acquisition.workflow, "store" in type(acquisition).model_fields) == \
+        ("actor", cfg.workflow.name, False)
+    replay = cfg.replay_section("actor")
+    assert (replay.policy, replay.model, replay.trainer, replay.steps) == ("actor", cfg.policies["actor"].model,
+                                                                          cfg.trainer_config("actor"),
+                                                                          cfg.policies["actor"].steps)
+    controller = cfg.controller_section()
+    assert (controller.policies, controller.workers, controller.workflow) == (["actor"], cfg.raas.workers,
+                                                                              cfg.workflow.name)

@@ -13,6 +13,7 @@ from tests.astraflow.test_actuators import calls, recorder
 from topics.bus import connect
 from topics.codec import encode, headers_for
 from topics.follow import LatestByKey
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import Control, Metric
 
@@ -91,10 +92,10 @@ def test_the_controller_writes_its_decision_and_reason_to_control(bus_url, tmp_p
                     "controller: {enabled: true, interval_s: 0.2, window: 2, cooldown_s: 0, max_workers: 2}\n")
     cfg = load_config(path)
     names, bus = TopicNames(run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"])
+    ensure_run_topics(bus.admin(), names, ["actor"])
     producer = bus.producer()
     stop = threading.Event()
-    thread = threading.Thread(target=run_controller, args=(cfg, bus, stop), daemon=True)
+    thread = threading.Thread(target=run_controller, args=(cfg.controller_section(), bus, stop), daemon=True)
     thread.start()
     control = LatestByKey(bus, names.control, Control)
     try:
@@ -130,13 +131,13 @@ def test_the_controller_carries_its_decision_out_retries_a_failure_and_reapplies
     (tmp_path / "exit_code").write_text("1")  # compose fails at first
     cfg = load_config(path)
     names, bus = TopicNames(run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"])
+    ensure_run_topics(bus.admin(), names, ["actor"])
     producer = bus.producer()
     want = ["-f", str(compose_file), "up", "-d", "--no-recreate", "--scale", "raas=2", "raas"]
 
     def controller() -> tuple[threading.Thread, threading.Event]:
         stop = threading.Event()
-        thread = threading.Thread(target=run_controller, args=(cfg, bus, stop), daemon=True)
+        thread = threading.Thread(target=run_controller, args=(cfg.controller_section(), bus, stop), daemon=True)
         thread.start()
         return thread, stop
 
@@ -197,7 +198,7 @@ def test_the_launcher_follows_control_only_with_the_local_actuator(tmp_path, act
     cfg = load_config(None, ["policies.actor.model=tiny", f"run_dir={tmp_path}", "controller.enabled=true",
                              f"controller.actuator={actuator}", *extra])
     bus, names = connect(cfg.bus), TopicNames(cfg.run)
-    bus.admin().ensure_run_topics(names, ["actor"])
+    ensure_run_topics(bus.admin(), names, ["actor"])
     producer = bus.producer()
     msg = Control(component="raas.single_turn", action="target_replicas", value=3, reason="test")
     producer.send(names.control, encode(msg), key=msg.component, headers=headers_for(msg))

@@ -17,6 +17,7 @@ from astraflow.exporter import MetricsExporter, metric_name
 from producers.vllm_server import free_port
 from topics.bus import connect
 from topics.codec import encode, headers_for
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import Metric
 
@@ -73,7 +74,7 @@ def test_names_are_sanitised_and_the_staleness_histogram_is_a_label():
 def test_every_figure_on_metrics_is_served_with_lag_and_the_newest_histogram(bus_url, tmp_path):
     names = TopicNames(f"exp{uuid.uuid4().hex[:8]}")
     bus = connect(bus_url)
-    bus.admin().ensure_run_topics(names, ["actor"])
+    ensure_run_topics(bus.admin(), names, ["actor"])
     (tmp_path / "components.json").write_text(json.dumps({"raas-0": {"pid": 1, "exit_code": None, "restarts": 2}}))
     producer = bus.producer()
 

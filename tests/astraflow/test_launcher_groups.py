@@ -13,6 +13,7 @@ from astraflow.config import load_config
 from astraflow.launcher.plan import Component
 from astraflow.launcher.run import Launcher
 from astraflow.launcher.supervision import Supervisor
+from topics.layout import ensure_run_topics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,7 +65,7 @@ def test_the_watchdog_names_workers_held_by_an_operators_pause_or_throttle(tmp_p
     example = ROOT / "examples" / "arith-tiny.yaml"
     cfg = load_config(example, [f"run_dir={tmp_path}", f"bus=local://{tmp_path / 'bus'}", "watchdog_s=1"])
     bus, names = connect(cfg.bus), TopicNames(cfg.run)
-    bus.admin().ensure_run_topics(names, list(cfg.policies))
+    ensure_run_topics(bus.admin(), names, list(cfg.policies))
     producer = bus.producer()
     for worker, values in (("raas-0", {"paused": 0.0, "paused_by_control": 1.0, "throttled": 0.0}),
                            ("raas-1", {"paused": 1.0, "paused_by_control": 0.0, "throttled": 1.0}),
@@ -107,7 +108,7 @@ def test_a_filter_processor_whose_offsets_do_not_move_is_killed_as_wedged_after_
     cfg = load_config(example, [f"run_dir={tmp_path}", f"bus=local://{tmp_path / 'bus'}",
                                 "policies.actor.filter_processor.step_deadline_s=5"])
     bus, names = connect(cfg.bus), TopicNames(cfg.run)
-    bus.admin().ensure_run_topics(names, list(cfg.policies))
+    ensure_run_topics(bus.admin(), names, list(cfg.policies))
     monitor = RunMonitor(bus, names, list(cfg.policies), cfg.workflow.name)
     out = io.StringIO()
     console = Console(file=out, width=400)

@@ -8,13 +8,14 @@ from rich.console import Console
 from astraflow.monitor import WORKER_SILENT_S, RunMonitor
 from topics.bus import connect
 from topics.codec import encode, headers_for
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import Metric
 
 
 def test_status_marks_a_silent_worker_and_shows_each_workers_throughput(tmp_path):
     bus, names = connect(f"local://{tmp_path / 'bus'}"), TopicNames("status")
-    bus.admin().ensure_run_topics(names, ["actor"])
+    ensure_run_topics(bus.admin(), names, ["actor"])
     now = time.time()
     producer = bus.producer()
     # raas-0 reports every 2 s up to now, 100 tokens a report (50 tok/s); raas-1 did the same until 20 s ago

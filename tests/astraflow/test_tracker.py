@@ -23,6 +23,7 @@ from astraflow.launcher.plan import plan_components
 from astraflow.tracker import MetricsTracker, record_step
 from topics.bus import connect
 from topics.codec import encode, headers_for
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import Metric
 
@@ -72,7 +73,7 @@ def committed(bus, group: str, topic: str) -> int:
 def test_every_figure_is_written_at_its_step_and_restarts_write_nothing_twice(bus_url, tmp_path):
     names = TopicNames(f"trk{uuid.uuid4().hex[:8]}")
     bus = connect(bus_url)
-    bus.admin().ensure_run_topics(names, ["actor"])
+    ensure_run_topics(bus.admin(), names, ["actor"])
     tracking = TrackingConfig(tensorboard_dir=tmp_path / "tb", flush_every_s=3600)
     group, tb = f"{names.run}.tracker", tmp_path / "tb" / names.run
     send(bus, names, trainer_step(1, 0.25), trainer_step(2, 0.5),
@@ -120,7 +121,7 @@ def test_wandb_offline_gets_every_figure_on_its_components_axis_and_a_restart_re
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
     names = TopicNames(f"trk{uuid.uuid4().hex[:8]}")
     bus = connect(f"local://{tmp_path / 'bus'}")
-    bus.admin().ensure_run_topics(names, ["actor"])
+    ensure_run_topics(bus.admin(), names, ["actor"])
     tracking = TrackingConfig(wandb_project="astraflow-test", wandb_mode="offline", flush_every_s=3600)
     send(bus, names, trainer_step(1, 0.25), trainer_step(2, 0.5),
          Metric(component="raas-0", kind="raas", ts=T0 + 0.7, values={"groups_total": 32.0}))

@@ -17,6 +17,7 @@ from consumers.evaluation import evaluate, load_benchmark, pull_newest
 from producers.hf_engine import HFEngine
 from topics.bus import TopicPartition, connect
 from topics.codec import decode
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import Metric
 from weights.publisher import Publisher
@@ -120,7 +121,7 @@ def test_live_evaluates_each_new_version_and_stops_on_sigterm(tiny_model_dir, en
     want = evaluate(zero_engine, prompts, **args).benchmarks["arith"].pass_at_1
     assert base > want, (base, want)
     bus, names = connect(bus_url), TopicNames(run)
-    bus.admin().ensure_run_topics(names, ["actor"])
+    ensure_run_topics(bus.admin(), names, ["actor"])
     pub = Publisher(WeightStore((tmp_path / "run" / "weights").as_uri(), run), bus, names, "actor")
     pub.publish(zeroed(engine), 1)
     pub.close()

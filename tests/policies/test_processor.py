@@ -13,6 +13,7 @@ from policies.processor import CuratorGate, FilterProcessor
 from policy_factories import make_group, make_outcome, make_prompt, read_all
 from topics.bus import connect
 from topics.codec import decode, encode, headers_for
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import DeadLetter, Metric, Prompt, WeightAnnouncement
 
@@ -32,7 +33,7 @@ def _sum_metrics(records, component):
 def test_filter_zero_adv_stream_is_byte_identical(bus_url, run_id):
     bus = connect(bus_url)
     names = TopicNames(run_id)
-    bus.admin().ensure_run_topics(names, ["solver"], partitions=2)
+    ensure_run_topics(bus.admin(), names, ["solver"], partitions=2)
     groups = [make_group(r, prompt_id=f"q{i}") for i, r in
               enumerate([[0, 1, 1], [1, 1, 1], [0, 0, 0], [0.25, 0.5, 0.5], [0, 1, 0], [1, 1, 1]] * 3)]
     sent = {}
@@ -72,7 +73,7 @@ def test_filter_zero_adv_stream_is_byte_identical(bus_url, run_id):
 def test_curator_gate_learns_from_outcomes_and_versions(bus_url, run_id):
     bus = connect(bus_url)
     names = TopicNames(run_id)
-    bus.admin().ensure_run_topics(names, ["solver"], partitions=2)
+    ensure_run_topics(bus.admin(), names, ["solver"], partitions=2)
     greso = Greso(step=0.1, p_easy=0.5)
     gate = CuratorGate(bus, run_id, [FilterSolved(threshold=0.9), greso], policy="solver", metrics_interval_s=60)
     assert gate.submit(make_prompt("a"))
@@ -126,7 +127,7 @@ def test_greso_state_survives_a_restart_of_the_gate(bus_url, run_id):
     # probabilities, p_easy/p_hard, EWMAs and random draws, and applies none of the 40 outcomes again.
     bus = connect(bus_url)
     names = TopicNames(run_id)
-    bus.admin().ensure_run_topics(names, ["solver"], partitions=2)
+    ensure_run_topics(bus.admin(), names, ["solver"], partitions=2)
     chain = [FilterSolved(threshold=0.9), Greso(step=0.1, seed=7)]
     gate = CuratorGate(bus, run_id, chain, policy="solver", metrics_interval_s=60)
     pids = [f"p{i}" for i in range(20)]
@@ -171,7 +172,7 @@ def test_a_batch_past_its_deadline_names_where_it_hung_and_exits_and_loses_nothi
         "class Hang(Filter):\n    def keep(self, group):\n        time.sleep(3600)\n")
     bus = connect(bus_url)
     names = TopicNames(run_id)
-    bus.admin().ensure_run_topics(names, ["solver"], partitions=2)
+    ensure_run_topics(bus.admin(), names, ["solver"], partitions=2)
     group = make_group([0, 1, 1], prompt_id="q0")
     producer = bus.producer()
     producer.send(names.trajectories("solver"), encode(group), key=group.prompt_id, headers=headers_for(group))

@@ -19,6 +19,7 @@ import yaml
 from policy_factories import make_group, read_all
 from topics.bus import TopicPartition, connect
 from topics.codec import decode, encode, headers_for
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ def test_two_processors_share_partitions_and_a_sigkill_keeps_exactly_once(kafka_
             "instances": 2, "max_records": 3, "metrics_interval_s": 0.5, "session_timeout_s": 6}}}}))
     bus = connect(kafka_url)
     names = TopicNames(run_id)
-    bus.admin().ensure_run_topics(names, ["solver"], partitions=PARTITIONS)
+    ensure_run_topics(bus.admin(), names, ["solver"], partitions=PARTITIONS)
     procs = [_start(config, 0, tmp_path, "p0.log"), _start(config, 1, tmp_path, "p1.log")]
     try:
         # both instances are members of filter.solver and own partitions before any group is written

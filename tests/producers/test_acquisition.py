@@ -110,7 +110,7 @@ def bad_file_config(tmp_path, *overrides):
 def test_bad_records_go_to_deadletter_one_by_one_and_the_rest_is_sent(tmp_path, caplog):
     path, cfg = bad_file_config(tmp_path)
     with caplog.at_level(logging.WARNING, logger="producers.acquisition"):
-        assert acquire_run(cfg) == 3
+        assert acquire_run(cfg.acquisition_section()) == 3
     bus, names = connect(cfg.bus, cfg.kafka), TopicNames(cfg.run)
     prompts = [decode(r.value, Prompt) for r in read_topic(bus, names.prompts)]
     assert sorted(p.answer for p in prompts) == sorted(GOOD_LINES.values())
@@ -134,7 +134,7 @@ def test_bad_records_go_to_deadletter_one_by_one_and_the_rest_is_sent(tmp_path, 
 def test_strict_stops_at_the_first_bad_record(tmp_path):
     path, cfg = bad_file_config(tmp_path, "data.strict=true")
     with pytest.raises(SourceError) as info:
-        acquire_run(cfg)
+        acquire_run(cfg.acquisition_section())
     bus, names = connect(cfg.bus, cfg.kafka), TopicNames(cfg.run)
     order = Acquisition(bus, names, load_source(str(path)), seed=cfg.data.shuffle_seed).order(0)
     lines = sorted([*BAD_LINES, *GOOD_LINES])

@@ -17,6 +17,7 @@ from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
 from topics.bus import connect, read_topic
 from topics.codec import decode
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import Metric, Prompt, TrajectoryGroup
 
@@ -26,7 +27,7 @@ from tests.producers.test_raas import start_worker
 @pytest.fixture(scope="module")
 def search_model_dir():
     """The tiny search model (``scripts/make_tiny_search_model.py``), built once and cached."""
-    from astraflow.models import resolve_model
+    from weights.models import resolve_model
     return resolve_model("tiny-search")
 
 
@@ -106,9 +107,9 @@ def test_tool_faults_cost_an_error_observation_and_the_run_goes_on(tmp_path, sea
     path = write_config(tmp_path, f"local://{tmp_path / 'bus'}", search_model_dir, url, n_prompts, 4, max_episodes=16)
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
-    assert acquire_run(cfg) == n_prompts
-    worker = RaasWorker(cfg, 0, bus)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=2)
+    assert acquire_run(cfg.acquisition_section()) == n_prompts
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
     topic = names.trajectories("actor")
     lag = lambda: sum(bus.admin().group_lag(names.raas_group("search_agent"), names.prompts).values())  # noqa: E731
     try:
@@ -153,8 +154,8 @@ def test_sigkill_with_20_episodes_in_flight_loses_no_prompt_and_duplicates_no_gr
     path = write_config(tmp_path, bus_url, search_model_dir, url, n_prompts, 4, max_episodes=40)
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
-    assert acquire_run(cfg) == n_prompts
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=2)
+    assert acquire_run(cfg.acquisition_section()) == n_prompts
     topic, group = names.trajectories("actor"), names.raas_group("search_agent")
     worker = start_worker(path, 0, tmp_path)
     try:

@@ -8,11 +8,13 @@ from safetensors.torch import load_file
 
 from astraflow.config import load_config
 from policies.processor import FilterProcessor
+from policies.config import policy_spec
 from policies.registry import build_chain
 from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
 from topics.bus import connect
 from topics.codec import encode, headers_for
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.follow import LatestByKey
 from topics.schemas import Metric, TrainerProgress
@@ -46,9 +48,9 @@ raas: {{batch_prompts: 2, max_inflight_groups: 8}}
 """)
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
-    assert acquire_run(cfg) == 40
-    worker = RaasWorker(cfg, 0, bus)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=2)
+    assert acquire_run(cfg.acquisition_section()) == 40
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
     produced = lambda: sum(bus.admin().end_offsets(names.trajectories("actor")).values())  # noqa: E731
     try:
         # Nothing filtered or trained: every group is in flight. Two per batch, so the worker
@@ -64,7 +66,7 @@ raas: {{batch_prompts: 2, max_inflight_groups: 8}}
         values = reported(worker)
         assert values["paused"] == 1.0 and values["paused_frac"] > 0.95
 
-        filt = FilterProcessor(bus, cfg.run, "actor", build_chain([{"name": "accept_all"}]), linger_s=0.0)
+        filt = FilterProcessor(bus, cfg.run, "actor", build_chain([policy_spec({"name": "accept_all"})]), linger_s=0.0)
         while filt.totals["consumed"] < 8:
             filt.step()
         filt.close()
@@ -133,9 +135,9 @@ raas: {{batch_prompts: 2, max_inflight_groups: 100}}
 """)
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
-    assert acquire_run(cfg) == 20
-    worker = RaasWorker(cfg, 0, bus)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=2)
+    assert acquire_run(cfg.acquisition_section()) == 20
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
     producer = bus.producer()
     produced = lambda: sum(bus.admin().end_offsets(names.trajectories("actor")).values())  # noqa: E731
 
@@ -153,7 +155,7 @@ raas: {{batch_prompts: 2, max_inflight_groups: 100}}
         assert ("a batch of actor rolled out now would be trained about 2 versions stale (4 groups in flight "
                 "ahead of it; max_staleness 1)") in worker.paused_reason
         # The trainer takes all 4 (the filter moved them) and publishes version 2; the engine pulls it.
-        filt = FilterProcessor(bus, cfg.run, "actor", build_chain([{"name": "accept_all"}]), linger_s=0.0)
+        filt = FilterProcessor(bus, cfg.run, "actor", build_chain([policy_spec({"name": "accept_all"})]), linger_s=0.0)
         while filt.totals["consumed"] < 4:
             filt.step()
         filt.close()

@@ -13,6 +13,7 @@ from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
 from tests.producers.test_backpressure import reported
 from topics.bus import connect
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import Control
 
@@ -46,8 +47,8 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
     path = _config(tmp_path, bus_url, tiny_model_dir)
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
-    assert acquire_run(cfg) == 100
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=2)
+    assert acquire_run(cfg.acquisition_section()) == 100
     produced = lambda: sum(bus.admin().end_offsets(names.trajectories("actor")).values())  # noqa: E731
 
     def steps(worker, n=6, until=None):
@@ -59,7 +60,7 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
         return produced()
 
     assert "raas.single_turn: pause" in _control(path, "pause", "--reason", "maintenance")
-    worker = RaasWorker(cfg, 0, bus)  # started after the pause: obeys it
+    worker = RaasWorker(cfg.raas_section(), 0, bus)  # started after the pause: obeys it
     try:
         assert steps(worker) == 0
         assert worker.paused_reason == "paused by control (raas.single_turn: maintenance)"
@@ -78,7 +79,7 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
         before = produced()
         assert steps(worker) == before
         assert worker.paused_reason.startswith("paused by control (raas.single_turn/raas-0")
-        other = RaasWorker(cfg, 1, bus)  # another worker is not held
+        other = RaasWorker(cfg.raas_section(), 1, bus)  # another worker is not held
         try:
             for _ in range(30):  # both step: the group rebalances, and the other worker gets a partition
                 worker.step()
@@ -152,7 +153,7 @@ def test_a_command_for_a_run_or_worker_not_there_is_kept_with_a_warning(tmp_path
     assert "kept for when it starts" in result.output
     cfg = load_config(path)
     bus = connect(cfg.bus, cfg.kafka)
-    worker = RaasWorker(cfg, 0, bus)
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
     try:
         worker.step()  # joins the group
         result = runner.invoke(app, ["control", "throttle", str(path), "--worker", "42", "--per-minute", "5"])

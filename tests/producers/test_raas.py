@@ -23,6 +23,7 @@ from producers.raas import RaasWorker
 from producers.engines import SamplingParams
 from topics.bus import connect, read_topic
 from topics.codec import decode, encode, headers_for
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import DeadLetter, Prompt, RolloutOutcome, TrajectoryGroup
 
@@ -61,8 +62,8 @@ def test_sigkill_mid_rollout_loses_nothing_and_dedupes(tmp_path, bus_url, tiny_m
     config = write_config(tmp_path, bus_url, tiny_model_dir)
     cfg = load_config(config)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=4)
-    assert acquire_run(cfg) == N_PROMPTS
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=4)
+    assert acquire_run(cfg.acquisition_section()) == N_PROMPTS
     topic = names.trajectories("actor")
     workers = [start_worker(config, i, tmp_path) for i in range(2)]
     try:
@@ -126,8 +127,8 @@ raas: {{batch_prompts: 8, max_inflight_groups: 100000}}
 """)
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=4)
-    assert acquire_run(cfg) == n_prompts
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=4)
+    assert acquire_run(cfg.acquisition_section()) == n_prompts
     topic, group = names.trajectories("actor"), names.raas_group("single_turn")
     worker = start_worker(path, 0, tmp_path)
     try:
@@ -196,9 +197,9 @@ raas: {{batch_prompts: 4}}
 """)
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=2)
-    assert acquire_run(cfg) == 4  # no character limit at acquisition: RaaS is the one to refuse it
-    worker = RaasWorker(cfg, 0, bus)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=2)
+    assert acquire_run(cfg.acquisition_section()) == 4  # no character limit at acquisition: RaaS is the one to refuse it
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
     lag = lambda: sum(bus.admin().group_lag(names.raas_group("single_turn"), names.prompts).values())  # noqa: E731
     try:
         deadline = time.monotonic() + 120
@@ -242,7 +243,7 @@ raas: {{batch_prompts: 8}}
 """)
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    bus.admin().ensure_run_topics(names, ["actor"], partitions=1)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=1)
     texts = ["1+2=", "3+4=", "5+6="]
     texts.insert(long_at, "1" * 3000 + "+1=")
     prompts = [Prompt(prompt_id=f"p{i}", source="test", task_type="arith", text=t, answer=str(eval(t[:-1])),
@@ -252,7 +253,7 @@ raas: {{batch_prompts: 8}}
         producer.send(names.prompts, encode(p), key=p.prompt_id, headers=headers_for(p))
     producer.flush()
     group = names.raas_group("single_turn")
-    worker = RaasWorker(cfg, 0, bus)
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
     try:
         worker.sampling = SamplingParams(max_new_tokens=4, temperature=0)
         engine = worker.engines["actor"]

@@ -16,6 +16,7 @@ import pytest
 from astraflow.config import ConfigError, load_config
 from astraflow.launcher.plan import plan_components
 from astraflow.launcher.run import Launcher
+from producers.raas import make_tools
 from producers.search_server import Behaviour, SearchServer, fts_query
 from producers.search_tool import SearchTool
 
@@ -193,7 +194,7 @@ def test_search_config_is_checked(tmp_path):
         _run_config(tmp_path, "tools.search.timeout_s=0")
     assert _run_config(tmp_path).tools.search is None
     s = _run_config(tmp_path, "tools.search.latency.median_s=0.1", "tools.search.latency.p99_s=0.1").tools.search
-    assert (s.url, s.server, s.timeout_s, s.top_k, s.faults.hang) == (None, None, 5.0, 1, 0.0)
+    assert (s.url, s.timeout_s, s.top_k, s.faults.hang) == (None, 5.0, 1, 0.0)
 
 
 def test_launcher_starts_search_and_points_raas_at_it(tmp_path, corpus):
@@ -206,10 +207,7 @@ def test_launcher_starts_search_and_points_raas_at_it(tmp_path, corpus):
     search = launcher.components[0]
     assert search.name == "search" and search.ready_url.startswith("http://127.0.0.1:")
     raas = next(c for c in launcher.components if c.name == "raas-0")
-    started = f"tools.search.started_url={search.ready_url}"
-    assert started in raas.argv
-    worker_cfg = load_config(None, [*overrides, started])
-    assert worker_cfg.tools.search.server == search.ready_url
+    assert raas.argv[raas.argv.index("--search-url") + 1] == search.ready_url
 
     cfg.run_dir.mkdir(parents=True)
     launcher.supervisor.start(search)
@@ -217,7 +215,7 @@ def test_launcher_starts_search_and_points_raas_at_it(tmp_path, corpus):
         launcher.supervisor.wait_ready(search, timeout_s=30.0)
 
         async def main():
-            tool = SearchTool(worker_cfg.tools.search.server)
+            tool = make_tools(cfg.tools, search.ready_url)["search"]
             try:
                 return await tool("Enigma")
             finally:

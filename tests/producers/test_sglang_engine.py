@@ -481,7 +481,7 @@ def test_config_sglang_section_reaches_the_engine(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(sglang_engine, "SGLangEngine", lambda *a, **kw: seen.update(args=a, kwargs=kw))
     monkeypatch.setattr(raas, "resolve_model", lambda spec: Path("/models/tiny"))
-    raas.make_engine(cfg, "actor")
+    raas.make_engine("actor", cfg.policies["actor"])
     assert seen == {"args": (Path("/models/tiny"),), "kwargs": {
         "url": None, "port": 31000, "launch_args": ("--mem-fraction-static", "0.5"), "startup_timeout_s": 30.0,
         "timeout_s": 90.0, "bucket_bytes": 1 << 20, "attempts": 3, "pause_mode": "in_place"}}

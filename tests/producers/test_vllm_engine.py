@@ -17,6 +17,7 @@ from producers.vllm_engine import VLLMEngine
 from producers.vllm_server import VLLMServer, server_argv
 from producers.workflows import prompt_ids
 from topics.bus import connect
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from trainer.model import load_causal_lm, token_logprobs
 from weights.publisher import Publisher
@@ -206,7 +207,7 @@ def test_eval_and_live_eval_update_a_vllm_engine_through_the_one_sync_contract(s
     run, store_uri = f"veval{uuid.uuid4().hex[:8]}", (tmp_path / "store").as_uri()
     bus = connect(f"local://{tmp_path / 'bus'}")
     names = TopicNames(run)
-    bus.admin().ensure_run_topics(names, ["actor"])
+    ensure_run_topics(bus.admin(), names, ["actor"])
     publisher = Publisher(WeightStore(store_uri, run), bus, names, "actor")
     base = {k: v.detach().clone() for k, v in load_causal_lm(tiny_model_dir, "float32").state_dict().items()}
     states = {1: perturbed(base, set(base), 0.5, seed=4)}

@@ -19,6 +19,7 @@ from astraflow.config import load_config
 from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
 from topics.bus import connect
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from weights.publisher import Publisher
 from weights.store import WeightStore
@@ -59,9 +60,9 @@ raas: {{batch_prompts: 2, max_inflight_groups: 1000}}
 """)
         cfg = load_config(path)
         names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-        bus.admin().ensure_run_topics(names, ["actor"])
-        assert acquire_run(cfg) == 200
-        worker = RaasWorker(cfg, 0, bus)
+        ensure_run_topics(bus.admin(), names, ["actor"])
+        assert acquire_run(cfg.acquisition_section()) == 200
+        worker = RaasWorker(cfg.raas_section(), 0, bus)
         pub = Publisher(WeightStore(cfg.store, cfg.run, endpoint=s3_endpoint), bus, names, "actor")
         try:
             yield worker, proxy, pub

@@ -7,6 +7,7 @@ import numpy as np
 from topics.bus import connect
 from topics.codec import decode, encode, headers_for
 from topics.deadletter import ValidatingConsumer
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import DeadLetter, Sample, TrajectoryGroup
 
@@ -28,7 +29,7 @@ def test_garbage_goes_to_deadletter_and_valid_messages_are_processed(bus_url):
     bus = connect(bus_url)
     names = TopicNames(f"dl{uuid.uuid4().hex[:8]}")
     admin = bus.admin()
-    admin.ensure_run_topics(names, ["actor"], partitions=2)
+    ensure_run_topics(admin, names, ["actor"], partitions=2)
     topic = names.trajectories("actor")
     producer = bus.producer()
     for i in range(10):

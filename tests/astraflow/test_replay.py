@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumers.replay import ReplayError, read_groups, recorded_checksums
+from astraflow.replay import ReplayError, read_groups, recorded_checksums
 from topics.bus import connect
 from topics.codec import encode, headers_for
 from topics.names import TopicNames

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 
 from topics.bus import Bus, BusError, TopicPartition, connect
 from topics.follow import Follower
+from topics.layout import RunTopics
 from topics.names import TopicNames
 from topics.schemas import TrainedBatch, TrajectoryGroup, WeightAnnouncement
 from trainer.config import TrainerConfig
@@ -41,7 +42,7 @@ from weights.codec import read_header, state_sha256
 from weights.store import StoreError, WeightStore
 
 if TYPE_CHECKING:
-    from astraflow.config import RunConfig
+    from astraflow.config import ReplaySection
 
 log = logging.getLogger(__name__)
 
@@ -282,35 +283,35 @@ def replay_reserve(bus: Bus, names: TopicNames, config: TrainerConfig, model_dir
         producer.close()
 
 
-def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None,
+def replay_run(cfg: ReplaySection, *, publish_as: str | None = None,
                on_version: OnVersion | None = None) -> ReplayResult:
-    """Replay ``policy`` of the run ``cfg`` describes and check each version against the original's sha256.
+    """Replay the policy ``cfg`` names and check each version against the original's sha256.
 
     Exact when the run's ``trained`` topic holds the policy's batches, else re-served (module docstring).
 
     Args:
-        cfg: the original run's config (bus, store, run name, the policy's model and trainer).
+        cfg: the original run's replay section (:meth:`astraflow.config.RunConfig.replay_section`: bus, store, run
+            name, the policy's model and trainer).
         publish_as: also publish every replayed version as run ``publish_as`` (its own ``weights``
             topic and store prefix), or None.
         on_version: called as ``on_version(version, sha256)`` after each step.
 
     Raises:
-        KeyError: ``policy`` is not in ``cfg.policies``.
         ValueError: ``publish_as`` is the original run's name or not a valid run name.
         ReplayError: recorded groups are missing from the topic, or the recorded versions have gaps.
         topics.bus.BusError: the bus failed.
     """
-    from astraflow.models import resolve_model
+    from weights.models import resolve_model
     from weights.publisher import Publisher
 
-    pc = cfg.policies[policy]
+    policy = cfg.policy
     if publish_as == cfg.run:
         raise ValueError(f"--publish-as {publish_as!r} is the original run: give a new run name")
     bus, names, group = connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), replay_group(policy)
     publisher = None
     if publish_as is not None:
         new_names = TopicNames(publish_as)
-        bus.admin().create_topic(new_names.weights, partitions=1, compacted=True)
+        RunTopics(new_names).weights.create(bus.admin())
         publisher = Publisher(WeightStore(cfg.store, publish_as), bus, new_names, policy,
                               producer_id=f"replay.{policy}")
     try:
@@ -323,14 +324,14 @@ def replay_run(cfg: RunConfig, policy: str, *, publish_as: str | None = None,
             mode = "exact"
             groups = read_groups(bus, names.samples(policy), group,
                                  {i for s in steps for i in (*s.group_ids, *s.replayed_ids)})
-            trained = replay_exact(cfg.trainer_config(policy), resolve_model(pc.model), steps, groups, publisher=publisher,
+            trained = replay_exact(cfg.trainer, resolve_model(cfg.model), steps, groups, publisher=publisher,
                                    on_version=on_version)
         else:
             log.warning("no trained batches of %s on %s: re-serving %s through the serving stage (not bit-exact)",
                         policy, names.trained, names.samples(policy))
             mode = "reserve"
-            trained = replay_reserve(bus, names, cfg.trainer_config(policy), resolve_model(pc.model), group, steps=pc.steps,
-                                     batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
+            trained = replay_reserve(bus, names, cfg.trainer, resolve_model(cfg.model), group, steps=cfg.steps,
+                                     batch_groups=cfg.batch_groups, max_staleness=cfg.max_staleness,
                                      publisher=publisher, on_version=on_version)
     finally:
         if publisher is not None:

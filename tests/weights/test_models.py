@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from astraflow import models
-from astraflow.models import BUILT_MODELS, TINY_SCRIPT, BuiltModel, built_model_dir, resolve_model
+from weights import models
+from weights.models import BUILT_MODELS, TINY_SCRIPT, BuiltModel, built_model_dir, resolve_model
 
 BUILDER = '''
 import json, time

@@ -1,7 +1,7 @@
-"""astraflow.files.atomic_write: replaces whole, leaves no temporary file behind."""
+"""topics.atomic_write.atomic_write: replaces whole, leaves no temporary file behind."""
 import pytest
 
-from astraflow.files import atomic_write
+from topics.atomic_write import atomic_write
 
 
 def test_atomic_write_replaces_and_cleans_up(tmp_path):
