@@ -4,6 +4,7 @@ filters and replay (DESIGN.md, steps 2, 4, 5, 8). Staleness is bounded by the se
 sources are mixed by weight at acquisition (``data.sources[].weight``).
 
 - :mod:`policies.base`: ``Curator``, ``Filter``, ``ServingPolicy``, ``Decision``, ``PolicyConfigError``.
+- :mod:`policies.staleness`: ``staleness``, ``too_stale``: the one staleness rule serving, RaaS and the trainer apply.
 - :mod:`policies.registry`: ``register_policy``, ``build_policy``, ``build_chain``, ``build_serving``,
   ``known_policies``.
 - :mod:`policies.processor`: ``FilterProcessor``, ``CuratorGate`` (run by ``astraflow policy`` and ``astraflow acquire``).

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from policies.base import group_staleness
+from policies.staleness import staleness
 from topics.schemas import TrajectoryGroup
 from trainer import losses
 from trainer.backend import TorchBackend
@@ -260,7 +260,7 @@ class Trainer:
         weights = self.publish_state() if with_weights else None
         step_s = time.perf_counter() - start
         epochs = cfg.ppo_epochs
-        staleness = [group_staleness(g, version_now) for g in groups]
+        stale = [staleness(g.min_version, version_now) for g in groups]
         gen_tokens = float(full.loss_mask.sum())
         rewards = full.rewards
         metrics = {
@@ -269,7 +269,7 @@ class Trainer:
             "clipfrac": sums["clipped"] / max(sums["valid"], 1),
             "grad_norm": sums["grad_norm"] / max(sums["updates"], 1),
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
-            "staleness_mean": sum(staleness) / len(staleness), "staleness_max": float(max(staleness)),
+            "staleness_mean": sum(stale) / len(stale), "staleness_max": float(max(stale)),
             "is_ratio_mean": sums["is_ratio_sum"] / max(sums["valid"], 1),
             "behaviour_kl": sums["behaviour_kl_sum"] / max(sums["valid"], 1),
             "is_ratio_max": is_max if sums["valid"] else 1.0, "is_ratio_min": is_min if sums["valid"] else 1.0,
@@ -277,7 +277,7 @@ class Trainer:
             "wait_s": wait_s, "wait_frac": wait_s / (wait_s + step_s),
             "groups": float(len(groups)), "samples": float(n), "version": float(self.version),
         }
-        for k, count in Counter(staleness).items():
+        for k, count in Counter(stale).items():
             metrics[f"staleness_hist/{k}"] = float(count)
         return TrainedStep(self.version, metrics, weights)
 

@@ -40,6 +40,7 @@ import torch
 
 from consumers.serving import ServingStage
 from policies.base import ServingPolicy
+from policies.staleness import too_stale
 from topics.bus import Bus, BusError, FatalBusError, connect
 from topics.codec import encode, headers_for
 from topics.follow import LatestByKey
@@ -109,7 +110,7 @@ class WeightPublisher(Protocol):
 
 @dataclass
 class ServiceConfig:
-    """How the trainer process runs (sizes in groups/samples, times in seconds).
+    """How the trainer process runs (sizes in groups, times in seconds).
 
     ``steps``: stop after this many steps on the lineage (:attr:`TrainerService.steps_done`). ``idle_exit_s``: also
     stop after this long without data (None: wait forever). ``barrier_peers``:
@@ -126,8 +127,7 @@ class ServiceConfig:
     trainer: TrainerConfig
     steps: int = 100
     barrier_peers: dict[str, int] | None = None
-    batch_groups: int | None = 16
-    batch_samples: int | None = None
+    batch_groups: int = 16
     max_staleness: int = 8
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
@@ -169,8 +169,7 @@ class TrainerService:
         self.reader_watch = ReaderWatch(self.consumer, admin, self.names.samples(policy), f"trainer {policy}", log)
         self.serving = ServingStage(
             self.consumer, self.producer, self.names.samples(policy), self.names.deadletter,
-            max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups, batch_samples=cfg.batch_samples,
-            replay=replay)
+            max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups, replay=replay)
         self.trainer = Trainer(cfg.trainer, cfg.model_dir)
         self.publisher = publisher
         self._ranks = cfg.trainer.ranks
@@ -393,15 +392,17 @@ class TrainerService:
                             "publish_failing": float(self._publish_alerted[1] is not None)})
 
     def _store_behind(self) -> bool:
-        """True while publishes have failed and the newest durable version is more than
-        ``max(max_staleness, 4)`` behind the trainer (the store is failing): RaaS cannot get newer
-        weights, so what it rolls out now would only be dropped as stale. A trainer that has not
-        published yet (e.g. just restarted from a checkpoint) is not held. Logged at most every 30 s."""
+        """True while publishes have failed and the newest durable version is too stale for the trainer
+        (:func:`policies.staleness.too_stale`) by ``max(max_staleness, 4)`` (the store is failing): RaaS cannot
+        get newer weights, so what it rolls out now would only be dropped as stale. The bound is at least 4 so
+        that publishes running a few versions behind the steps do not hold a trainer at ``max_staleness`` 0. A
+        trainer that has not published yet (e.g. just restarted from a checkpoint) is not held. Logged at most
+        every 30 s."""
         publisher = self.publisher
         if publisher is None or not publisher.errors:
             return False
         durable = publisher.durable_version or 0  # version 0, the base model, is always there
-        behind = self.trainer.version - durable > max(self.config.max_staleness, 4)
+        behind = too_stale(durable, self.trainer.version, max(self.config.max_staleness, 4))
         if behind and time.monotonic() - self._store_logged >= 30.0:
             self._store_logged = time.monotonic()
             log.warning("trainer %s: holding at version %d: the newest durable version is %d (publishes are "

@@ -103,22 +103,43 @@ def test_restart_from_state_skips_served_groups(setup):
     s2.consumer.close()
 
 
-def test_replay_fraction_and_sample_batches(setup):
+def test_replay_supplies_its_fraction_of_each_batch(setup):
     bus, names, produce, stage = setup
-    produce([group(v, n=2) for v in range(6)])
+    produce([group(v) for v in range(6)])
     replay = Replay(ratio=0.5, max_staleness=8)
-    s = stage(batch_samples=4, replay=replay)
+    s = stage(batch_groups=2, replay=replay)
     b1 = s.next_batch(version=5, timeout_s=20)
-    assert b1.replayed == 0 and b1.samples == 2  # the pool was empty; 2 fresh samples = 1 group
+    assert b1.replayed == 0 and len(b1.groups) == 1  # the pool was empty; 1 fresh group of the 2
     b2 = s.next_batch(version=5, timeout_s=20)
-    assert b2.replayed == 1 and b2.groups[-1].group_id == b1.groups[0].group_id
+    assert b2.replayed == 1 and len(b2.groups) == 2 and b2.groups[-1].group_id == b1.groups[0].group_id
     s.consumer.close()
 
 
 def test_bad_batch_config_is_named(bus_url):
     bus = connect(bus_url)
-    with pytest.raises(ValueError, match="exactly one of batch_groups or batch_samples"):
-        ServingStage(bus.consumer("g"), bus.producer(), "t", "dl")
+    with pytest.raises(ValueError, match="batch_groups must be >= 1, got 0"):
+        ServingStage(bus.consumer("g"), bus.producer(), "t", "dl", batch_groups=0)
+
+
+def test_served_ids_keep_only_the_groups_that_could_still_be_trained(setup):
+    """The de-duplication set, saved in every checkpoint, is bounded: a group is forgotten once it is too stale
+    to train, since a copy read again is then dropped as stale anyway; it holds the last max_staleness + 1
+    versions' groups."""
+    bus, names, produce, stage = setup
+    s = stage(batch_groups=1, max_staleness=2)
+    for version in range(8):  # one group per step, rolled out on the trainer's version
+        produce([group(version, gid=f"g{version}")], key="one")
+        assert [g.group_id for g in s.next_batch(version=version, timeout_s=10).groups] == [f"g{version}"]
+        assert sorted(s.served_ids) == [f"g{v}" for v in range(max(0, version - 2), version + 1)]
+    assert s.state_dict()["served_ids"] == {"g5": 5, "g6": 6, "g7": 7}
+    # copies read again: one still in the window is a duplicate, one past it is stale; neither is trained
+    produce([group(6, gid="g6"), group(4, gid="g4"), group(7, gid="new")], key="one")
+    batch = s.next_batch(version=7, timeout_s=10)
+    assert [g.group_id for g in batch.groups] == ["new"] and (batch.duplicates, batch.dropped_stale) == (1, 1)
+    # a checkpoint written before the bound lists its ids without versions: they are kept (never stale)
+    s.load_state_dict({"served_ids": ["old"]})
+    assert s.next_batch(version=100, timeout_s=0.5) is None and s.served_ids == {"old": -1}
+    s.consumer.close()
 
 
 def test_replayed_groups_obey_the_policys_bound(setup):
