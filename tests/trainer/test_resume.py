@@ -80,7 +80,7 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
     run_dir.mkdir()
     proc = _trainer(bus_url, run, tiny_model_dir, run_dir)
     deadline = time.monotonic() + 180  # a loaded 2-core machine takes a while to start a trainer
-    store = WeightStore(WeightStore.default_uri(run_dir), run)
+    store = WeightStore((run_dir / "weights").as_uri(), run)
     # 6 groups: 6 steps, past the checkpoint at version 4; kill once version 6 is stored, before the idle
     # checkpoint (poll_timeout_s, 5 s, after the last batch)
     while steps_logged(run_dir, "pol") < 6 or 6 not in store.versions("pol"):
