@@ -5,9 +5,8 @@
 - Groups are buffered and served earliest ``min_version`` first.
 - A group too stale for the trainer (:func:`policies.staleness.too_stale`: ``trainer_version - min_version``
   exceeds ``max_staleness``) is dropped and counted, whenever it is looked at (it can age in the buffer).
-- Groups are de-duplicated by ``group_id``: against the buffer, and against the
-  ids served (or dropped) that a copy could still be trained under, which are part of the checkpoint
-  state (:attr:`ServingStage.served_ids`).
+- Groups are de-duplicated by ``group_id``: against the buffer, and against the ids served (or dropped)
+  in the last versions, which are part of the checkpoint state (:attr:`ServingStage.served_ids`).
 - A serving policy (replay), when configured, supplies a fraction ``replay.ratio`` of
   each batch, under the same ``max_staleness`` (its own bound, if set, may only be tighter).
 - Groups rolled out on versions that are off the trainer's lineage (:attr:`ServingStage.off_lineage`:
@@ -25,6 +24,12 @@ from typing import Any, Callable
 
 from policies.base import ServingPolicy
 from policies.staleness import too_stale
+
+#: Versions a served group id is remembered at least (:attr:`ServingStage.served_ids`): a prompt that a RaaS
+#: worker redelivers (it crashed before committing it) is rolled out again and its copy comes back after the
+#: worker's session timed out and it restarted, seconds to minutes; 32 versions are minutes of training even
+#: at the tiny model's steps of about a second.
+REDELIVERY_VERSIONS = 32
 from topics.bus import Consumer, Producer, TopicPartition
 from topics.deadletter import ValidatingConsumer
 from topics.schemas import TrajectoryGroup
@@ -74,12 +79,13 @@ class ServingStage:
         max_buffer: groups buffered at most before a batch is cut (bounds memory).
 
     Attributes:
-        served_ids: group id -> its ``min_version``, for the groups served or dropped whose copy could still
-            be trained: each is forgotten once its group is too stale at the trainer's version, since a copy
-            read again (from the committed offsets, after a restart) is then dropped as stale anyway. So it
-            holds the groups of the last ``max_staleness + 1`` versions, and those without generated tokens
-            (never stale). A prompt redelivered by a RaaS worker (crashed before its commit) is rolled out
-            again on newer weights: its copy is recognised while the first one is still in that window.
+        served_ids: group id -> the trainer version that served (or dropped) its group, -1 for a group
+            without generated tokens (never stale, so kept). An id is forgotten once the trainer is more than
+            ``max(max_staleness, REDELIVERY_VERSIONS)`` versions past that: a copy read again from the committed
+            offsets (after a restart) is then too stale to train anyway (its ``min_version`` is at most the
+            version that served it), and a copy of a prompt redelivered by a RaaS worker (rolled out again, on
+            newer weights) has come back long before (:data:`REDELIVERY_VERSIONS`). So it holds the groups of
+            the last ``max(max_staleness, REDELIVERY_VERSIONS) + 1`` versions.
 
     Raises:
         ValueError: ``batch_groups`` below 1, a ``replay.ratio`` outside [0, 1), or a ``replay.max_staleness``
@@ -180,15 +186,20 @@ class ServingStage:
             if too_stale(b.group.min_version, version, self.max_staleness) or self._off_lineage(b.group):
                 batch.dropped_stale += 1
                 self._buffered_ids.discard(b.group.group_id)
-                self.served_ids[b.group.group_id] = b.group.min_version  # consumed: never served later either
+                self._remember(b.group, version)  # consumed: never served later either
             else:
                 keep.append(b)
         self._buffer = keep
 
-    def _forget_stale_ids(self, version: int) -> None:
-        """Bound :attr:`served_ids`: forget the ids whose groups are too stale at ``version``."""
-        self.served_ids = {gid: made_at for gid, made_at in self.served_ids.items()
-                           if not too_stale(made_at, version, self.max_staleness)}
+    def _remember(self, group: TrajectoryGroup, version: int) -> None:
+        """Add ``group``, served or dropped at trainer ``version``, to :attr:`served_ids`."""
+        self.served_ids[group.group_id] = version if group.min_version >= 0 else -1
+
+    def _forget_served(self, version: int) -> None:
+        """Bound :attr:`served_ids`: forget the ids served more than the window's versions before ``version``."""
+        window = max(self.max_staleness, REDELIVERY_VERSIONS)
+        self.served_ids = {gid: served_at for gid, served_at in self.served_ids.items()
+                           if not too_stale(served_at, version, window)}
 
     def _off_lineage(self, group: TrajectoryGroup) -> bool:
         return group.min_version >= 0 and any(lo <= group.max_version and group.min_version <= hi
@@ -212,7 +223,7 @@ class ServingStage:
         Raises:
             topics.bus.BusError: the bus failed (including a dead-letter write).
         """
-        self._forget_stale_ids(version)
+        self._forget_served(version)
         batch = ServedBatch(groups=[])
         target = self._fresh_target()
         start = time.perf_counter()
@@ -245,7 +256,7 @@ class ServingStage:
             self._buffered_ids.discard(b.group.group_id)
             taken.append(b.group)
         for g in taken:
-            self.served_ids[g.group_id] = g.min_version
+            self._remember(g, version)
         replayed: list[TrajectoryGroup] = []
         if self.replay is not None:
             if self.replay_fraction and taken:

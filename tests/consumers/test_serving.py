@@ -4,7 +4,7 @@ import uuid
 import numpy as np
 import pytest
 
-from consumers.serving import ServingStage
+from consumers.serving import REDELIVERY_VERSIONS, ServingStage
 from policies.replay import Replay
 from topics.bus import connect
 from topics.codec import encode, headers_for
@@ -121,24 +121,27 @@ def test_bad_batch_config_is_named(bus_url):
         ServingStage(bus.consumer("g"), bus.producer(), "t", "dl", batch_groups=0)
 
 
-def test_served_ids_keep_only_the_groups_that_could_still_be_trained(setup):
-    """The de-duplication set, saved in every checkpoint, is bounded: a group is forgotten once it is too stale
-    to train, since a copy read again is then dropped as stale anyway; it holds the last max_staleness + 1
-    versions' groups."""
+@pytest.mark.parametrize("bus_url", ["local"], indirect=True)
+def test_served_ids_are_kept_for_a_window_of_versions(setup):
+    """The de-duplication set, saved in every checkpoint, is bounded: an id is kept for
+    max(max_staleness, REDELIVERY_VERSIONS) versions after it was served (a copy read again later is too stale to
+    train anyway, and a redelivered prompt's copy has come back by then), then forgotten."""
     bus, names, produce, stage = setup
+    window = max(2, REDELIVERY_VERSIONS)
     s = stage(batch_groups=1, max_staleness=2)
-    for version in range(8):  # one group per step, rolled out on the trainer's version
+    last = window + 4
+    for version in range(last + 1):  # one group per step, rolled out on the trainer's version
         produce([group(version, gid=f"g{version}")], key="one")
         assert [g.group_id for g in s.next_batch(version=version, timeout_s=10).groups] == [f"g{version}"]
-        assert sorted(s.served_ids) == [f"g{v}" for v in range(max(0, version - 2), version + 1)]
-    assert s.state_dict()["served_ids"] == {"g5": 5, "g6": 6, "g7": 7}
-    # copies read again: one still in the window is a duplicate, one past it is stale; neither is trained
-    produce([group(6, gid="g6"), group(4, gid="g4"), group(7, gid="new")], key="one")
-    batch = s.next_batch(version=7, timeout_s=10)
-    assert [g.group_id for g in batch.groups] == ["new"] and (batch.duplicates, batch.dropped_stale) == (1, 1)
-    # a checkpoint written before the bound lists its ids without versions: they are kept (never stale)
+    assert s.state_dict()["served_ids"] == {f"g{v}": v for v in range(last - window, last + 1)}
+    # copies read again: g3, past the window, is too stale to train; a redelivered prompt's copy rolled out on
+    # the newest weights (g6, served window - 2 versions ago) is recognised; neither is trained
+    produce([group(3, gid="g3"), group(last, gid="g6"), group(last, gid="new")], key="one")
+    batch = s.next_batch(version=last, timeout_s=10)
+    assert [g.group_id for g in batch.groups] == ["new"] and (batch.dropped_stale, batch.duplicates) == (1, 1)
+    # a checkpoint written before the bound lists its ids without versions: they are kept (as never stale)
     s.load_state_dict({"served_ids": ["old"]})
-    assert s.next_batch(version=100, timeout_s=0.5) is None and s.served_ids == {"old": -1}
+    assert s.next_batch(version=1000, timeout_s=0.5) is None and s.served_ids == {"old": -1}
     s.consumer.close()
 
 
