@@ -3,10 +3,10 @@
 - Records are decoded as :class:`~topics.schemas.TrajectoryGroup`; anything else
   goes to the run's ``deadletter`` topic (:class:`topics.deadletter.ValidatingConsumer`).
 - Groups are buffered and served earliest ``min_version`` first.
-- A group whose staleness ``trainer_version - min_version`` (:func:`policies.base.group_staleness`)
-  exceeds ``max_staleness`` is dropped and counted, whenever it is looked at (it can age in the buffer).
-- Groups are de-duplicated by ``group_id``: against the buffer, and against the
-  persistent set of served ids, which is part of the checkpoint state.
+- A group too stale for the trainer (:func:`policies.staleness.too_stale`: ``trainer_version - min_version``
+  exceeds ``max_staleness``) is dropped and counted, whenever it is looked at (it can age in the buffer).
+- Groups are de-duplicated by ``group_id``: against the buffer, and against the ids served (or dropped)
+  in the last versions, which are part of the checkpoint state (:attr:`ServingStage.served_ids`).
 - A serving policy (replay), when configured, supplies a fraction ``replay.ratio`` of
   each batch, under the same ``max_staleness`` (its own bound, if set, may only be tighter).
 - Groups rolled out on versions that are off the trainer's lineage (:attr:`ServingStage.off_lineage`:
@@ -22,7 +22,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from policies.base import ServingPolicy, group_staleness
+from policies.base import ServingPolicy
+from policies.staleness import too_stale
+
+#: Versions a served group id is remembered at least (:attr:`ServingStage.served_ids`): a prompt that a RaaS
+#: worker redelivers (it crashed before committing it) is rolled out again and its copy comes back after the
+#: worker's session timed out and it restarted, seconds to minutes; 32 versions are minutes of training even
+#: at the tiny model's steps of about a second.
+REDELIVERY_VERSIONS = 32
 from topics.bus import Consumer, Producer, TopicPartition
 from topics.deadletter import ValidatingConsumer
 from topics.schemas import TrajectoryGroup
@@ -45,10 +52,6 @@ class ServedBatch:
     rejected: int = 0
     wait_s: float = 0.0
 
-    @property
-    def samples(self) -> int:
-        return sum(len(g.samples) for g in self.groups)
-
 
 @dataclass(order=True)
 class _Buffered:
@@ -68,26 +71,32 @@ class ServingStage:
         producer: used for dead-letter writes.
         topic: the ``samples.<policy>`` topic.
         deadletter_topic: the run's ``deadletter`` topic.
+        batch_groups: batch size in groups.
         max_staleness: versions; a group with ``version - min_version > max_staleness`` is dropped.
-        batch_groups: batch size in groups, or
-        batch_samples: batch size in samples (whole groups, until at least this many).
         replay: a serving policy (:class:`policies.replay.Replay`) that supplies ``replay.ratio`` of each
             batch and is offered every fresh group served, or None. Its ``max_staleness`` is set to
             ``max_staleness`` when it has none.
         max_buffer: groups buffered at most before a batch is cut (bounds memory).
 
+    Attributes:
+        served_ids: group id -> the trainer version that served (or dropped) its group, -1 for a group
+            without generated tokens (never stale, so kept). An id is forgotten once the trainer is more than
+            ``max(max_staleness, REDELIVERY_VERSIONS)`` versions past that: a copy read again from the committed
+            offsets (after a restart) is then too stale to train anyway (its ``min_version`` is at most the
+            version that served it), and a copy of a prompt redelivered by a RaaS worker (rolled out again, on
+            newer weights) has come back long before (:data:`REDELIVERY_VERSIONS`). So it holds the groups of
+            the last ``max(max_staleness, REDELIVERY_VERSIONS) + 1`` versions.
+
     Raises:
-        ValueError: not exactly one of ``batch_groups``/``batch_samples``, a ``replay.ratio``
-            outside [0, 1), or a ``replay.max_staleness`` above ``max_staleness``.
+        ValueError: ``batch_groups`` below 1, a ``replay.ratio`` outside [0, 1), or a ``replay.max_staleness``
+            above ``max_staleness``.
     """
 
     def __init__(self, consumer: Consumer, producer: Producer, topic: str, deadletter_topic: str, *,
-                 max_staleness: int = 8, batch_groups: int | None = None, batch_samples: int | None = None,
-                 replay: ServingPolicy | None = None, max_buffer: int = 4096):
-        if (batch_groups is None) == (batch_samples is None):
-            raise ValueError("give exactly one of batch_groups or batch_samples")
-        if (batch_groups or batch_samples) < 1:
-            raise ValueError(f"batch size must be >= 1, got {batch_groups or batch_samples}")
+                 batch_groups: int, max_staleness: int = 8, replay: ServingPolicy | None = None,
+                 max_buffer: int = 4096):
+        if batch_groups < 1:
+            raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
         replay_fraction = replay.ratio if replay is not None else 0.0
         if not 0.0 <= replay_fraction < 1.0:
             raise ValueError(f"the serving policy's ratio must be in [0, 1), got {replay_fraction}")
@@ -103,11 +112,11 @@ class ServingStage:
         self.reader = ValidatingConsumer(consumer, producer, deadletter_topic, TrajectoryGroup)
         if not consumer.assignment():
             consumer.subscribe([topic])
-        self.max_staleness, self.batch_groups, self.batch_samples = max_staleness, batch_groups, batch_samples
+        self.max_staleness, self.batch_groups = max_staleness, batch_groups
         self.replay, self.replay_fraction, self.max_buffer = replay, replay_fraction, max_buffer
         self._buffer: list[_Buffered] = []
         self._buffered_ids: set[str] = set()
-        self.served_ids: set[str] = set()
+        self.served_ids: dict[str, int] = {}
         self._polled_end: dict[TopicPartition, int] = {}
         #: inclusive version ranges off the trainer's lineage (see :class:`trainer.checkpoint.Checkpoint`'s
         #: ``renumbered``): a group with a sample of one of them is dropped as stale
@@ -118,13 +127,15 @@ class ServingStage:
 
     # -- state ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The served group ids (the de-duplication set) and the counters."""
-        return {"served_ids": sorted(self.served_ids), "dropped_stale": self.total_dropped_stale,
+        """The served group ids (:attr:`served_ids`, the de-duplication set) and the counters."""
+        return {"served_ids": dict(self.served_ids), "dropped_stale": self.total_dropped_stale,
                 "duplicates": self.total_duplicates}
 
     def load_state_dict(self, state: dict[str, Any], offsets: dict[TopicPartition, int] | None = None) -> None:
         """Restore :meth:`state_dict` and read each partition in ``offsets`` from that offset next."""
-        self.served_ids = set(state.get("served_ids", ()))
+        served = state.get("served_ids", {})
+        # a checkpoint written before the ids were bounded lists them without versions: kept as never stale
+        self.served_ids = dict(served) if isinstance(served, dict) else dict.fromkeys(served, -1)
         self.total_dropped_stale = int(state.get("dropped_stale", 0))
         self.total_duplicates = int(state.get("duplicates", 0))
         self._buffer.clear()
@@ -172,27 +183,31 @@ class ServingStage:
     def _drop_stale(self, version: int, batch: ServedBatch) -> None:
         keep = []
         for b in self._buffer:
-            if group_staleness(b.group, version) > self.max_staleness or self._off_lineage(b.group):
+            if too_stale(b.group.min_version, version, self.max_staleness) or self._off_lineage(b.group):
                 batch.dropped_stale += 1
                 self._buffered_ids.discard(b.group.group_id)
-                self.served_ids.add(b.group.group_id)  # consumed: never served later either
+                self._remember(b.group, version)  # consumed: never served later either
             else:
                 keep.append(b)
         self._buffer = keep
+
+    def _remember(self, group: TrajectoryGroup, version: int) -> None:
+        """Add ``group``, served or dropped at trainer ``version``, to :attr:`served_ids`."""
+        self.served_ids[group.group_id] = version if group.min_version >= 0 else -1
+
+    def _forget_served(self, version: int) -> None:
+        """Bound :attr:`served_ids`: forget the ids served more than the window's versions before ``version``."""
+        window = max(self.max_staleness, REDELIVERY_VERSIONS)
+        self.served_ids = {gid: served_at for gid, served_at in self.served_ids.items()
+                           if not too_stale(served_at, version, window)}
 
     def _off_lineage(self, group: TrajectoryGroup) -> bool:
         return group.min_version >= 0 and any(lo <= group.max_version and group.min_version <= hi
                                               for lo, hi in self.off_lineage)
 
     def _fresh_target(self) -> int:
-        """Fresh groups wanted (group mode) or samples wanted (sample mode)."""
-        size = self.batch_groups or self.batch_samples
-        return size - round(self.replay_fraction * size)
-
-    def _ready(self, target: int) -> bool:
-        if self.batch_groups is not None:
-            return len(self._buffer) >= target
-        return sum(len(b.group.samples) for b in self._buffer) >= target
+        """Fresh groups wanted in a batch (the rest is replayed)."""
+        return self.batch_groups - round(self.replay_fraction * self.batch_groups)
 
     def next_batch(self, version: int, timeout_s: float = 30.0, poll_timeout_s: float = 0.5,
                    on_poll: Callable[[], None] | None = None) -> ServedBatch | None:
@@ -208,6 +223,7 @@ class ServingStage:
         Raises:
             topics.bus.BusError: the bus failed (including a dead-letter write).
         """
+        self._forget_served(version)
         batch = ServedBatch(groups=[])
         target = self._fresh_target()
         start = time.perf_counter()
@@ -215,7 +231,7 @@ class ServingStage:
         rejected_before = self.reader.rejected
         while True:
             self._drop_stale(version, batch)
-            ready = self._ready(target)
+            ready = len(self._buffer) >= target
             if ready and len(self._buffer) >= self.max_buffer:
                 break
             remaining = deadline - time.perf_counter()
@@ -234,21 +250,17 @@ class ServingStage:
         batch.rejected = self.reader.rejected - rejected_before
         self._drop_stale(version, batch)
         self._buffer.sort()
-        taken, count = [], 0
-        while self._buffer and count < target:
+        taken = []
+        while self._buffer and len(taken) < target:
             b = self._buffer.pop(0)
             self._buffered_ids.discard(b.group.group_id)
             taken.append(b.group)
-            count += 1 if self.batch_groups is not None else len(b.group.samples)
         for g in taken:
-            self.served_ids.add(g.group_id)
+            self._remember(g, version)
         replayed: list[TrajectoryGroup] = []
         if self.replay is not None:
             if self.replay_fraction and taken:
-                size = self.batch_groups or self.batch_samples
-                want = round(self.replay_fraction * size)
-                if self.batch_samples is not None:  # samples -> groups, at the fresh groups' mean size
-                    want = round(want / (count / len(taken)))
+                want = self.batch_groups - target
                 replayed = self.replay.sample(want, version) if want else []
             self.replay.add(taken, version)
         self.total_dropped_stale += batch.dropped_stale

@@ -121,13 +121,3 @@ class ServingPolicy(Policy):
     def sample(self, n: int, version: int) -> list[TrajectoryGroup]:
         """Up to ``n`` groups for a batch trained at weight ``version`` (fewer when the policy holds fewer)."""
         raise NotImplementedError
-
-
-def group_staleness(group: TrajectoryGroup, version: int) -> int:
-    """Staleness of ``group`` for a trainer at ``version``: ``version - min_version`` (DESIGN.md, "Staleness").
-
-    A group without generated tokens (``min_version == -1``) counts as fresh (0).
-    """
-    if group.min_version < 0:
-        return 0
-    return max(0, version - group.min_version)

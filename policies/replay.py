@@ -19,7 +19,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from policies.base import PolicyConfigError, ServingPolicy, group_staleness
+from policies.base import PolicyConfigError, ServingPolicy
+from policies.staleness import too_stale
 from policies.registry import register_policy
 from topics.codec import decode, encode
 from topics.schemas import TrajectoryGroup
@@ -57,7 +58,7 @@ class Replay(ServingPolicy):
         return len(self.pool)
 
     def _fresh(self, group: TrajectoryGroup, version: int) -> bool:
-        return self.max_staleness is None or group_staleness(group, version) <= self.max_staleness
+        return self.max_staleness is None or not too_stale(group.min_version, version, self.max_staleness)
 
     def _evict_stale(self, version: int) -> None:
         fresh = [g for g in self.pool if self._fresh(g, version)]

@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from policies.staleness import staleness, too_stale
 from producers.config import RaasSection, RolloutPolicyConfig, ToolsConfig
 from producers.engine_batcher import EngineBatcher
 from producers.engine_sync import EngineSync
@@ -365,13 +366,13 @@ class RaasWorker:
         would pass :meth:`inflight_limit` (a worker with nothing in flight always rolls out). The groups in
         flight count those this worker is rolling out now (its prompts in flight). A policy whose trainer has
         finished, or waits at a barrier for its peers, holds nothing back.
+        The staleness rule is :func:`policies.staleness.too_stale`, the serving stage's.
         """
         self.progress.poll()
         for p, puller in self.pullers.items():
-            newest = puller.newest_durable()
-            max_staleness = self.cfg.policies[p].max_staleness
-            if newest is not None and newest - self.engines[p].version > max_staleness:
-                return f"{p} weights {newest - self.engines[p].version} versions behind"
+            newest, engine = puller.newest_durable(), self.engines[p].version
+            if newest is not None and too_stale(engine, newest, self.cfg.policies[p].max_staleness):
+                return f"{p} weights {staleness(engine, newest)} versions behind"
         batch = self.cfg.raas.batch_prompts
         for p in self.policies:
             try:
@@ -387,13 +388,14 @@ class RaasWorker:
                 # the trainer takes the groups in flight first, batch_groups per version: a batch rolled out now
                 # is trained at about its version + inflight // batch_groups (at max_staleness 0: wait for each
                 # new version)
-                behind = progress.version - self.engines[p].version
-                if behind > pc.max_staleness:
-                    return f"{p} weights {behind} versions behind its trainer"
-                stale = behind + inflight // pc.batch_groups
-                if stale > pc.max_staleness:
-                    return (f"a batch of {p} rolled out now would be trained about {stale} versions stale "
-                            f"({inflight} groups in flight ahead of it; max_staleness {pc.max_staleness})")
+                engine = self.engines[p].version
+                if too_stale(engine, progress.version, pc.max_staleness):
+                    return f"{p} weights {staleness(engine, progress.version)} versions behind its trainer"
+                trained_at = progress.version + inflight // pc.batch_groups
+                if too_stale(engine, trained_at, pc.max_staleness):
+                    return (f"a batch of {p} rolled out now would be trained about {staleness(engine, trained_at)} "
+                            f"versions stale ({inflight} groups in flight ahead of it; max_staleness "
+                            f"{pc.max_staleness})")
             if inflight and inflight + batch > self.inflight_limit(p):
                 return (f"{inflight} groups of {p} in flight, and a batch of {batch} more would pass its limit "
                         f"{self.inflight_limit(p)}")

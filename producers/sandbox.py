@@ -368,21 +368,6 @@ def reset_bwrap_setup() -> None:
         _probe = None
 
 
-def require_sandbox(mode: str | None = None) -> str:
-    """Check that the sandbox can run here, before any untrusted code is handed to it.
-
-    Returns:
-        The mode :func:`run_python` will use.
-
-    Raises:
-        SandboxUnavailable: unknown mode, or ``bwrap`` mode and bubblewrap is missing or unusable.
-    """
-    name = sandbox_mode(mode)
-    if name == "bwrap":
-        bwrap_setup()
-    return name
-
-
 _uid_cond = threading.Condition()
 _uids_in_use: set[int] = set()
 

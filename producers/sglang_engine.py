@@ -87,9 +87,7 @@ Errors: every endpoint answers a failure with HTTP 400 (``{"success": false, "me
 weight updates, ``{"error": {"message": ...}}`` for ``/generate``), which :class:`SGLangHTTPError`
 reports with the endpoint, the status and the start of the body; a failed update becomes
 :class:`~producers.engines.EngineUpdateError` and the engine keeps its version. Connection errors and
-5xx answers are retried with exponential backoff (``attempts`` tries, each request bounded by ``timeout_s``). ``/update_weights_from_disk`` (kept as
-:meth:`SGLangEngine.load_weights_from_disk`) rolls the server back to its old weights when a load fails
-(``model_executor/model_runner.py: update_weights_from_disk``).
+5xx answers are retried with exponential backoff (``attempts`` tries, each request bounded by ``timeout_s``).
 """
 from __future__ import annotations
 
@@ -592,25 +590,6 @@ class SGLangEngine(Engine):
                                   "without a radix cache (launch it with --disable-radix-cache), else prompts "
                                   "after an update reuse keys and values of the old weights", transient=False)
         self._radix_checked = True
-
-    def load_weights_from_disk(self, model_path: str | Path, version: int) -> None:
-        """Have the server reload all its weights from ``model_path`` (a ``save_pretrained`` directory the
-        *server* can read) with ``POST /update_weights_from_disk``: a fallback to :meth:`load_weights`.
-
-        Raises:
-            EngineUpdateError: the server refused (HTTP 400 ``{"success": false, "message"}``: SGLang rolls
-                back to its old weights) or could not be reached; the version is unchanged.
-        """
-        with self._lock:
-            try:
-                self._call("POST", "/update_weights_from_disk", {
-                    "model_path": str(model_path), "weight_version": str(version), "flush_cache": True,
-                    "abort_all_requests": False})
-            except SGLangHTTPError as e:
-                raise EngineUpdateError(f"version {version} from {model_path} not loaded: {e}; the engine stays "
-                                        f"at version {self._version}") from None
-            self._sent.clear()  # every tensor may have changed
-            self._version = int(version)
 
     def close(self) -> None:
         """Close the HTTP client and stop a launched server (its whole process group: SIGTERM, then SIGKILL

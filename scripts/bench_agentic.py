@@ -327,7 +327,7 @@ def sync_child(args: argparse.Namespace) -> None:
                 prompts.append(source[index % len(source)].model_copy(update={"n_samples": group}))
                 index += 1
             groups = loop.run_until_complete(rollout(prompts))
-            metrics = trainer.train_step(groups)
+            metrics = trainer.train_step(groups).metrics
             engine.load_weights(trainer.publish_state(), trainer.version)
             ends[step], rewards[step], trained[step] = time.time(), float(metrics["reward_mean"]), len(groups)
             cpu.append((ends[step], cpu_s()))

@@ -432,7 +432,7 @@ def step_trainer(ctx: Ctx) -> str:
     pub0 = trainer.publish_state()
     steps = []
     for i in range(ctx.size["steps"]):
-        m = trainer.train_step(groups)
+        m = trainer.train_step(groups).metrics
         sync(ctx)
         steps.append(m)
         log(f"step {i + 1}: loss {m['loss']:+.5f}  grad_norm {m['grad_norm']:.4f}  is_ratio_mean "

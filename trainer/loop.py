@@ -4,11 +4,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 import torch
 
-from policies.base import group_staleness
+from policies.staleness import staleness
 from topics.schemas import TrajectoryGroup
 from trainer import losses
 from trainer.backend import TorchBackend
@@ -18,49 +18,46 @@ from trainer.config import TrainerConfig
 from trainer.model import DTYPES, load_causal_lm, resolve_device, token_logprobs
 
 
-class WeightPublisher(Protocol):
-    """Anything with ``publish(state_dict, version, samples_consumed)``, ``durable_version`` (the
-    newest version stored and announced, None before any), ``newest_stored_version()`` (the newest
-    version in the store, by any process, None before any), ``errors`` (failed publishes) and
-    ``last_publish`` (figures of the newest version published, reported with each step), e.g.
-    ``weights.publisher.Publisher``."""
+@dataclass
+class TrainedStep:
+    """What one :meth:`Trainer.train_step` made.
 
-    def publish(self, state_dict: dict[str, torch.Tensor], version: int,
-                samples_consumed: int | None = None) -> Any: ...
+    Attributes:
+        version: the version of the new weights (:attr:`Trainer.version` after the step).
+        metrics: the step's metrics, name -> float (listed in :meth:`Trainer.train_step`).
+        weights: the new weights as engines run them (:meth:`Trainer.publish_state`: name -> tensor in
+            ``param_dtype``, where the backend holds them) when the step was asked for them (``with_weights``);
+            on ranks other than 0 an empty dict; None when not asked for.
+    """
 
-    def newest_stored_version(self) -> int | None: ...
-
-    @property
-    def durable_version(self) -> int | None: ...
-
-    errors: list[BaseException]
-    last_publish: dict[str, float]
+    version: int
+    metrics: dict[str, float]
+    weights: dict[str, torch.Tensor] | None = None
 
 
 class Trainer:
-    """Loads a policy from an HF directory and trains it on TrajectoryGroups.
+    """Loads a policy from an HF directory and trains it on TrajectoryGroups. It computes only: publishing the
+    weights it returns is the caller's (:class:`trainer.service.TrainerService`).
 
     Args:
         config: the :class:`TrainerConfig`.
         model_dir: a ``save_pretrained`` directory (the initial weights are version 0,
             and the reference model for the KL when ``kl_coef > 0``).
-        publisher: called as ``publisher.publish(state_dict, version)`` after every step
-            with bf16 CPU tensors; None publishes nothing.
 
     Attributes:
         version: the version of the current weights: 0 at load, +1 per :meth:`train_step`.
         rank, world: this process's rank and the number of ranks (0 and 1 unless ``config.ranks > 1``).
 
     With ``config.ranks`` N > 1 (under torchrun; see :mod:`trainer.distributed`) every rank builds a
-    Trainer (only rank 0 with a ``publisher``) and calls :meth:`train_step` with the same groups; the
-    model is sharded with FSDP2, rank r runs micro-batches r, r+N, ..., rank 0 publishes, and the
-    returned metrics are reduced over the ranks (the same on every rank).
+    Trainer and calls :meth:`train_step` with the same groups (and the same ``with_weights``); the
+    model is sharded with FSDP2, rank r runs micro-batches r, r+N, ..., rank 0 gets the gathered weights, and
+    the returned metrics are reduced over the ranks (the same on every rank).
 
     Raises:
         RuntimeError: ``config.ranks > 1`` but the process was not started with that many ranks.
     """
 
-    def __init__(self, config: TrainerConfig, model_dir: str | Path, *, publisher: WeightPublisher | None = None):
+    def __init__(self, config: TrainerConfig, model_dir: str | Path):
         self.config = config
         if config.ranks > 1 or config.backend == "deepspeed":
             from trainer import distributed
@@ -87,16 +84,9 @@ class Trainer:
                 self.backend = TorchBackend(model, config)
         self.model = self.backend.model
         self.optimizer = self.backend.optimizer
-        self.publisher = publisher
         self.version = 0
         #: this process's rank and the number of ranks (0 and 1 unless ``config.ranks > 1``)
         self.rank, self.world = (torch.distributed.get_rank(), config.ranks) if config.ranks > 1 else (0, 1)
-        # Gathering the full state dict is a collective: every rank joins it when rank 0 publishes.
-        self._gather = publisher is not None
-        if self.world > 1:
-            from trainer.distributed import broadcast_object
-
-            self._gather = bool(broadcast_object(publisher is not None))
 
     # -- state ------------------------------------------------------------
     def restore(self, ckpt: Checkpoint) -> None:
@@ -123,14 +113,13 @@ class Trainer:
         self.optimizer.load_state_dict(ckpt.optimizer)
         self.version = ckpt.version
 
-    def renumber(self, version: int, samples_consumed: int | None = None) -> None:
-        """Give the current weights the new number ``version`` and publish them as it, without training.
+    def renumber(self, version: int) -> None:
+        """Give the current weights the new number ``version``, without training (nothing is gathered: the
+        caller publishes :meth:`publish_state` as the new version).
 
         A trainer resumed from a checkpoint older than versions already published (killed after publishing
         steps it had not checkpointed) calls it with the next free version: those versions keep naming
         the weights they were announced with, and RaaS workers leave them for the checkpoint's weights at once.
-        ``samples_consumed`` goes with the announcement, as in :meth:`train_step`. On several ranks a
-        collective, as :meth:`train_step`.
 
         Raises:
             ValueError: ``version`` is not above :attr:`version`.
@@ -138,10 +127,6 @@ class Trainer:
         if version <= self.version:
             raise ValueError(f"renumber to version {version}: not above the current version {self.version}")
         self.version = version
-        if self.publisher is not None if self.world == 1 else self._gather:
-            state = self.publish_state()
-            if self.publisher is not None:
-                self.publisher.publish(state, version, samples_consumed)
 
     def publish_state(self) -> dict[str, torch.Tensor]:
         """The weights as published, name -> tensor in ``param_dtype``: the dtype engines run, so that a
@@ -177,27 +162,26 @@ class Trainer:
         return out
 
     def train_step(self, groups: list[TrajectoryGroup], version_now: int | None = None,
-                   wait_s: float = 0.0, samples_consumed: int | None = None) -> dict[str, float]:
-        """Run ``ppo_epochs`` passes of mini-batch updates on ``groups``, then publish version + 1.
+                   wait_s: float = 0.0, *, with_weights: bool = False) -> TrainedStep:
+        """Run ``ppo_epochs`` passes of mini-batch updates on ``groups``: the weights become version + 1.
 
         Args:
             groups: the batch; each group's samples are one GRPO group.
             version_now: the trainer version staleness is measured against
                 (default: :attr:`version`); staleness = version_now - group.min_version.
             wait_s: seconds the caller waited for this batch (for ``wait_frac``).
-            samples_consumed: the caller's position on ``samples.<policy>`` after this batch
-                (records), passed to the publisher for the version's announcement.
+            with_weights: also return the new weights (:meth:`publish_state`, gathered within the step). On
+                several ranks a collective: every rank passes the same value.
 
         Returns:
-            The step's metrics (floats): loss, pg_loss, kl, clipfrac, entropy, grad_norm,
+            The :class:`TrainedStep`: the new version, the new weights when asked for, and the step's metrics
+            (floats): loss, pg_loss, kl, clipfrac, entropy, grad_norm,
             reward_mean, reward_std, staleness_mean/max and ``staleness_hist/<k>`` counts of
             groups, is_ratio_mean/max/min (π_θ/π_behaviour on generated tokens before the
             update), behaviour_kl (KL(π_behaviour || π_θ) per generated token before the update, Schulman's
-            k3 estimator r - 1 - log r with r = π_θ/π_behaviour: http://joschu.net/blog/kl-approx.html), tokens (generated, count), tokens_per_s, step_s, wait_s, wait_frac,
-            publish_wait_s (seconds the step waited for the publisher: its one copy of the weights to host
-            memory; encoding and upload run in its background thread), groups, samples, version, and once a
-            version is published, the publisher's ``last_publish`` figures (publish_bytes, publish_s,
-            published_version).
+            k3 estimator r - 1 - log r with r = π_θ/π_behaviour: http://joschu.net/blog/kl-approx.html), tokens
+            (generated, count), tokens_per_s, step_s (seconds, the weights' gather included), wait_s, wait_frac,
+            groups, samples, version.
 
         Raises:
             ValueError: ``groups`` is empty or malformed (see :func:`trainer.batch.pack_groups`).
@@ -273,17 +257,10 @@ class Trainer:
         self.version += 1
         if self.world > 1:
             is_min, is_max = self._reduce_metrics(sums, is_min, is_max)
-        publish_wait = 0.0
-        if self.publisher is not None if self.world == 1 else self._gather:
-            state = self.publish_state()
-            if self.publisher is not None:
-                t0 = time.perf_counter()
-                self.publisher.publish(state, self.version, samples_consumed)
-                publish_wait = time.perf_counter() - t0
-
+        weights = self.publish_state() if with_weights else None
         step_s = time.perf_counter() - start
         epochs = cfg.ppo_epochs
-        staleness = [group_staleness(g, version_now) for g in groups]
+        stale = [staleness(g.min_version, version_now) for g in groups]
         gen_tokens = float(full.loss_mask.sum())
         rewards = full.rewards
         metrics = {
@@ -292,19 +269,17 @@ class Trainer:
             "clipfrac": sums["clipped"] / max(sums["valid"], 1),
             "grad_norm": sums["grad_norm"] / max(sums["updates"], 1),
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
-            "staleness_mean": sum(staleness) / len(staleness), "staleness_max": float(max(staleness)),
+            "staleness_mean": sum(stale) / len(stale), "staleness_max": float(max(stale)),
             "is_ratio_mean": sums["is_ratio_sum"] / max(sums["valid"], 1),
             "behaviour_kl": sums["behaviour_kl_sum"] / max(sums["valid"], 1),
             "is_ratio_max": is_max if sums["valid"] else 1.0, "is_ratio_min": is_min if sums["valid"] else 1.0,
             "tokens": gen_tokens, "tokens_per_s": gen_tokens * epochs / step_s, "step_s": step_s,
-            "wait_s": wait_s, "wait_frac": wait_s / (wait_s + step_s), "publish_wait_s": publish_wait,
+            "wait_s": wait_s, "wait_frac": wait_s / (wait_s + step_s),
             "groups": float(len(groups)), "samples": float(n), "version": float(self.version),
         }
-        for k, count in Counter(staleness).items():
+        for k, count in Counter(stale).items():
             metrics[f"staleness_hist/{k}"] = float(count)
-        if self.publisher is not None:
-            metrics.update(self.publisher.last_publish)  # publish_bytes, publish_s of the newest published
-        return metrics
+        return TrainedStep(self.version, metrics, weights)
 
     def _reduce_metrics(self, sums: Counter, is_min: float, is_max: float) -> tuple[float, float]:
         """Sum the per-rank metric sums (in place) and take the global IS-ratio min/max (a collective, on the

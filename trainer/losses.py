@@ -268,14 +268,6 @@ def m2po_clip(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Ten
     return harmful & (v2.double() > threshold), math.sqrt(threshold)
 
 
-def m2po_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              tau: float = 0.04) -> torch.Tensor:
-    """The M2PO mask M of the paper's objective: valid tokens that keep their gradient
-    (``mask`` minus :func:`m2po_clip`'s clipped tokens). bool[B, T]."""
-    clip, _ = m2po_clip(log_ratio, advantages, mask, tau)
-    return mask.bool() & ~clip
-
-
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(π_θ ‖ π_ref) (Schulman 2020, "Approximating KL Divergence").
 

@@ -1,7 +1,7 @@
 """The trainer process of one policy: serve batches, train, publish, checkpoint, commit.
 
 Per step: the serving stage assembles a batch from ``samples.<policy>``, the
-:class:`~trainer.loop.Trainer` trains on it and publishes the new version, and
+:class:`~trainer.loop.Trainer` trains on it, this service publishes the new version, and
 metrics go out. Every ``checkpoint_every`` steps (and at the end):
 
 1. the group ids of each step since the last checkpoint go to the compacted
@@ -34,10 +34,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from consumers.serving import ServingStage
 from policies.base import ServingPolicy
+from policies.staleness import too_stale
 from topics.bus import Bus, BusError, FatalBusError, connect
 from topics.codec import encode, headers_for
 from topics.follow import LatestByKey
@@ -50,7 +53,7 @@ from topics.schemas import TrainedBatch, TrainerProgress
 from trainer.checkpoint import load_checkpoint, load_latest, save_checkpoint, save_distributed_checkpoint
 from trainer.config import TrainerConfig
 from trainer.coupling import VersionBarrier
-from trainer.loop import Trainer, WeightPublisher
+from trainer.loop import Trainer
 from trainer.metrics import MetricsSink
 
 log = logging.getLogger(__name__)
@@ -87,9 +90,28 @@ def trained_batches(bus: Bus, names: TopicNames, policy: str, timeout_s: float =
     return [recorded[v] for v in sorted(recorded) if not any(c < v < r for c, r in off)]
 
 
+class WeightPublisher(Protocol):
+    """Anything with ``publish(state_dict, version, samples_consumed)``, ``durable_version`` (the
+    newest version stored and announced, None before any), ``newest_stored_version()`` (the newest
+    version in the store, by any process, None before any), ``errors`` (failed publishes) and
+    ``last_publish`` (figures of the newest version published, reported with each step), e.g.
+    ``weights.publisher.Publisher``."""
+
+    def publish(self, state_dict: dict[str, torch.Tensor], version: int,
+                samples_consumed: int | None = None) -> Any: ...
+
+    def newest_stored_version(self) -> int | None: ...
+
+    @property
+    def durable_version(self) -> int | None: ...
+
+    errors: list[BaseException]
+    last_publish: dict[str, float]
+
+
 @dataclass
 class ServiceConfig:
-    """How the trainer process runs (sizes in groups/samples, times in seconds).
+    """How the trainer process runs (sizes in groups, times in seconds).
 
     ``steps``: stop after this many steps on the lineage (:attr:`TrainerService.steps_done`). ``idle_exit_s``: also
     stop after this long without data (None: wait forever). ``barrier_peers``:
@@ -106,8 +128,7 @@ class ServiceConfig:
     trainer: TrainerConfig
     steps: int = 100
     barrier_peers: dict[str, int] | None = None
-    batch_groups: int | None = 16
-    batch_samples: int | None = None
+    batch_groups: int = 16
     max_staleness: int = 8
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
@@ -122,8 +143,8 @@ class TrainerService:
 
     Args:
         config: the :class:`ServiceConfig`.
-        publisher: ``publish(state_dict, version)`` after every step (the Weight Manager's
-            ``weights.publisher.Publisher``), or None.
+        publisher: what each version's weights are handed to, ``publish(state_dict, version, samples_consumed)``
+            after every step (the Weight Manager's ``weights.publisher.Publisher``), or None.
         replay: the serving policy (:func:`policies.registry.build_serving`) whose ``ratio`` is the
             fraction of each batch it supplies, or None.
     """
@@ -148,9 +169,9 @@ class TrainerService:
         self.reader_watch = ReaderWatch(self.consumer, admin, self.names.samples(policy), f"trainer {policy}", log)
         self.serving = ServingStage(
             self.consumer, self.producer, self.names.samples(policy), self.names.deadletter,
-            max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups, batch_samples=cfg.batch_samples,
-            replay=replay)
-        self.trainer = Trainer(cfg.trainer, cfg.model_dir, publisher=publisher)
+            max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups, replay=replay)
+        self.trainer = Trainer(cfg.trainer, cfg.model_dir)
+        self.publisher = publisher
         self._ranks = cfg.trainer.ranks
         self.metrics = MetricsSink(f"trainer.{policy}", policy, producer=self.producer, topic=self.names.metrics,
                                    console=cfg.console, jsonl_path=self.run_dir / "metrics.jsonl")
@@ -177,8 +198,10 @@ class TrainerService:
         base, newest = self.trainer.version, self._newest_used_version()
         if newest > base:
             version = newest + 1
-            self._command("renumber", version)
-            self.trainer.renumber(version, self.serving.consumed())
+            self._command("renumber", version, self.publisher is not None)
+            self.trainer.renumber(version)
+            if self.publisher is not None:
+                self.publisher.publish(self.trainer.publish_state(), version, self.serving.consumed())
             self._renumbered.append((base, version))
             self._pending.append(TrainedBatch(policy=self.config.trainer.policy, version=version, base_version=base,
                                               group_ids=[]))
@@ -197,8 +220,7 @@ class TrainerService:
             topics.bus.BusError: ``trained`` was not read within the bus patience.
         """
         policy = self.config.trainer.policy
-        publisher = self.trainer.publisher
-        stored = publisher.newest_stored_version() if publisher is not None else None
+        stored = self.publisher.newest_stored_version() if self.publisher is not None else None
         recorded = patiently(f"trainer.{policy}: read {self.names.trained}",
                              lambda: recorded_batches(self.bus, self.names, policy), log=log)
         return max([stored or 0, *recorded])
@@ -290,15 +312,15 @@ class TrainerService:
                     continue
                 last_data = time.monotonic()
                 fresh = batch.groups[: len(batch.groups) - batch.replayed]
-                self._command("train", batch.groups, self.trainer.version)
-                metrics = self.trainer.train_step(batch.groups, wait_s=batch.wait_s,
-                                                  samples_consumed=self.serving.consumed())
+                self._command("train", batch.groups, self.trainer.version, self.publisher is not None)
+                step = self.trainer.train_step(batch.groups, wait_s=batch.wait_s,
+                                               with_weights=self.publisher is not None)
+                metrics = step.metrics
                 metrics.update(barrier_wait_s=barrier_s, replayed=batch.replayed, dropped_stale=batch.dropped_stale,
                                duplicates=batch.duplicates, rejected=batch.rejected,
                                dropped_stale_total=self.serving.total_dropped_stale)
-                durable = self.trainer.publisher.durable_version if self.trainer.publisher is not None else None
-                if durable is not None:  # the newest version stored and announced (publishes run behind the steps)
-                    metrics["durable_version"] = durable
+                if self.publisher is not None:
+                    metrics.update(self._publish(step.weights, step.version))
                 self.metrics.emit(self.trainer.version, metrics)
                 self._pending.append(TrainedBatch(policy=self.config.trainer.policy, version=self.trainer.version,
                                                   group_ids=[g.group_id for g in fresh],
@@ -315,6 +337,19 @@ class TrainerService:
         return {"version": self.trainer.version, "steps_run": steps_run,
                 "dropped_stale": self.serving.total_dropped_stale, "duplicates": self.serving.total_duplicates,
                 "wall_s": time.perf_counter() - start}
+
+    def _publish(self, weights: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Hand ``weights`` to the publisher as ``version``, with this trainer's position on ``samples.<policy>``;
+        returns the step's publish figures: ``publish_wait_s`` (seconds waited for the publisher: its one copy
+        of the weights to host memory; encoding and upload run in its background thread), the publisher's
+        ``last_publish`` (publish_bytes, publish_s, published_version of the newest version published) and
+        ``durable_version`` (the newest version stored and announced, once there is one)."""
+        start = time.perf_counter()
+        self.publisher.publish(weights, version, self.serving.consumed())
+        figures = {"publish_wait_s": time.perf_counter() - start, **self.publisher.last_publish}
+        if self.publisher.durable_version is not None:  # publishes run behind the steps
+            figures["durable_version"] = self.publisher.durable_version
+        return figures
 
     def _command(self, *command: Any) -> None:
         """Send ``command`` to the other ranks' :func:`run_follower` (a collective; nothing on one rank)."""
@@ -342,7 +377,7 @@ class TrainerService:
         ``publish_errors`` (failed publishes so far), ``durable_version``, ``version`` and
         ``publish_failing`` 1; and once more with ``publish_failing`` 0 when a version at least as new
         as the trainer's at the last failure is durable again."""
-        publisher = self.trainer.publisher
+        publisher = self.publisher
         if publisher is None or not publisher.errors:
             return
         errors, durable = len(publisher.errors), publisher.durable_version or 0
@@ -357,15 +392,17 @@ class TrainerService:
                             "publish_failing": float(self._publish_alerted[1] is not None)})
 
     def _store_behind(self) -> bool:
-        """True while publishes have failed and the newest durable version is more than
-        ``max(max_staleness, 4)`` behind the trainer (the store is failing): RaaS cannot get newer
-        weights, so what it rolls out now would only be dropped as stale. A trainer that has not
-        published yet (e.g. just restarted from a checkpoint) is not held. Logged at most every 30 s."""
-        publisher = self.trainer.publisher
+        """True while publishes have failed and the newest durable version is too stale for the trainer
+        (:func:`policies.staleness.too_stale`) by ``max(max_staleness, 4)`` (the store is failing): RaaS cannot
+        get newer weights, so what it rolls out now would only be dropped as stale. The bound is at least 4 so
+        that publishes running a few versions behind the steps do not hold a trainer at ``max_staleness`` 0. A
+        trainer that has not published yet (e.g. just restarted from a checkpoint) is not held. Logged at most
+        every 30 s."""
+        publisher = self.publisher
         if publisher is None or not publisher.errors:
             return False
         durable = publisher.durable_version or 0  # version 0, the base model, is always there
-        behind = self.trainer.version - durable > max(self.config.max_staleness, 4)
+        behind = too_stale(durable, self.trainer.version, max(self.config.max_staleness, 4))
         if behind and time.monotonic() - self._store_logged >= 30.0:
             self._store_logged = time.monotonic()
             log.warning("trainer %s: holding at version %d: the newest durable version is %d (publishes are "
@@ -386,7 +423,8 @@ def run_follower(config: ServiceConfig) -> dict[str, Any]:
 
     It never touches the bus: it loads the model, then does what rank 0's :class:`TrainerService` sends
     (``restore`` a checkpoint path or None, ``renumber`` the weights, ``train`` a batch, ``checkpoint``,
-    ``stop``), joining each collective. Every rank trains on the same groups, so all versions and shuffles agree.
+    ``stop``), joining each collective (with the gather of the weights after ``renumber`` and ``train`` when
+    rank 0 publishes). Every rank trains on the same groups, so all versions and shuffles agree.
 
     Returns:
         {"version", "steps_run", "rank"} once rank 0 sends ``stop``.
@@ -406,12 +444,15 @@ def run_follower(config: ServiceConfig) -> dict[str, Any]:
             if args[0] is not None:
                 trainer.restore(load_checkpoint(Path(args[0])))
         elif command == "renumber":
-            trainer.renumber(args[0])
+            version, publishing = args
+            trainer.renumber(version)
+            if publishing:
+                trainer.publish_state()
         elif command == "train":
-            groups, version = args
+            groups, version, publishing = args
             if version != trainer.version:
                 raise RuntimeError(f"rank {rank()}: at version {trainer.version}, rank 0 trains version {version}")
-            trainer.train_step(groups)
+            trainer.train_step(groups, with_weights=publishing)
             steps_run += 1
         elif command == "checkpoint":
             save_distributed_checkpoint(Path(config.run_dir) / CHECKPOINTS, version=trainer.version,

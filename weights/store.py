@@ -176,11 +176,6 @@ class WeightStore:
         except Exception as e:
             raise StoreError(f"weight store {uri!r}: cannot open ({type(e).__name__}: {e})") from None
 
-    @staticmethod
-    def default_uri(run_dir: str | Path) -> str:
-        """The default store of a run: ``file://<run_dir>/weights`` (absolute)."""
-        return f"file://{Path(run_dir).resolve() / 'weights'}"
-
     def key(self, policy: str, version: int, kind: Kind) -> str:
         """The key of an object: ``<run>/<policy>/<version:08d>/<file>``."""
         if kind not in FILENAMES:
@@ -190,16 +185,6 @@ class WeightStore:
     def uri_of(self, key: str) -> str:
         """The full URI of ``key`` (what an announcement carries)."""
         return f"{self.uri}/{key}"
-
-    def key_of(self, uri: str) -> str:
-        """Inverse of :meth:`uri_of`.
-
-        Raises:
-            StoreError: ``uri`` is not under this store's root.
-        """
-        if not uri.startswith(self.uri + "/"):
-            raise StoreError(f"object URI {uri!r} is not under this store ({self.uri})")
-        return uri[len(self.uri) + 1:]
 
     def _failed(self, what: str, uri: str, e: Exception) -> StoreUnavailable:
         """The StoreUnavailable for obstore failure ``e`` of request ``what`` ``uri`` (``put s3://b/p/k``), its message

@@ -4,7 +4,7 @@ import uuid
 import numpy as np
 import pytest
 
-from consumers.serving import ServingStage
+from consumers.serving import REDELIVERY_VERSIONS, ServingStage
 from policies.replay import Replay
 from topics.bus import connect
 from topics.codec import encode, headers_for
@@ -103,22 +103,46 @@ def test_restart_from_state_skips_served_groups(setup):
     s2.consumer.close()
 
 
-def test_replay_fraction_and_sample_batches(setup):
+def test_replay_supplies_its_fraction_of_each_batch(setup):
     bus, names, produce, stage = setup
-    produce([group(v, n=2) for v in range(6)])
+    produce([group(v) for v in range(6)])
     replay = Replay(ratio=0.5, max_staleness=8)
-    s = stage(batch_samples=4, replay=replay)
+    s = stage(batch_groups=2, replay=replay)
     b1 = s.next_batch(version=5, timeout_s=20)
-    assert b1.replayed == 0 and b1.samples == 2  # the pool was empty; 2 fresh samples = 1 group
+    assert b1.replayed == 0 and len(b1.groups) == 1  # the pool was empty; 1 fresh group of the 2
     b2 = s.next_batch(version=5, timeout_s=20)
-    assert b2.replayed == 1 and b2.groups[-1].group_id == b1.groups[0].group_id
+    assert b2.replayed == 1 and len(b2.groups) == 2 and b2.groups[-1].group_id == b1.groups[0].group_id
     s.consumer.close()
 
 
 def test_bad_batch_config_is_named(bus_url):
     bus = connect(bus_url)
-    with pytest.raises(ValueError, match="exactly one of batch_groups or batch_samples"):
-        ServingStage(bus.consumer("g"), bus.producer(), "t", "dl")
+    with pytest.raises(ValueError, match="batch_groups must be >= 1, got 0"):
+        ServingStage(bus.consumer("g"), bus.producer(), "t", "dl", batch_groups=0)
+
+
+@pytest.mark.parametrize("bus_url", ["local"], indirect=True)
+def test_served_ids_are_kept_for_a_window_of_versions(setup):
+    """The de-duplication set, saved in every checkpoint, is bounded: an id is kept for
+    max(max_staleness, REDELIVERY_VERSIONS) versions after it was served (a copy read again later is too stale to
+    train anyway, and a redelivered prompt's copy has come back by then), then forgotten."""
+    bus, names, produce, stage = setup
+    window = max(2, REDELIVERY_VERSIONS)
+    s = stage(batch_groups=1, max_staleness=2)
+    last = window + 4
+    for version in range(last + 1):  # one group per step, rolled out on the trainer's version
+        produce([group(version, gid=f"g{version}")], key="one")
+        assert [g.group_id for g in s.next_batch(version=version, timeout_s=10).groups] == [f"g{version}"]
+    assert s.state_dict()["served_ids"] == {f"g{v}": v for v in range(last - window, last + 1)}
+    # copies read again: g3, past the window, is too stale to train; a redelivered prompt's copy rolled out on
+    # the newest weights (g6, served window - 2 versions ago) is recognised; neither is trained
+    produce([group(3, gid="g3"), group(last, gid="g6"), group(last, gid="new")], key="one")
+    batch = s.next_batch(version=last, timeout_s=10)
+    assert [g.group_id for g in batch.groups] == ["new"] and (batch.dropped_stale, batch.duplicates) == (1, 1)
+    # a checkpoint written before the bound lists its ids without versions: they are kept (as never stale)
+    s.load_state_dict({"served_ids": ["old"]})
+    assert s.next_batch(version=1000, timeout_s=0.5) is None and s.served_ids == {"old": -1}
+    s.consumer.close()
 
 
 def test_replayed_groups_obey_the_policys_bound(setup):

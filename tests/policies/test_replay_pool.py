@@ -1,7 +1,7 @@
 """The replay serving policy: fraction r of each batch, max_staleness, state round trip."""
 from __future__ import annotations
 
-from policies.base import group_staleness
+from policies.staleness import staleness
 from policies.replay import Replay
 from policy_factories import make_group
 
@@ -20,7 +20,7 @@ def test_replay_serves_fraction_r_and_never_stale():
             assert len(replayed) == 4 and len(fresh + replayed) == n
         assert len({g.group_id for g in replayed}) == len(replayed)
         assert all(g.group_id in served_ids for g in replayed)
-        assert all(group_staleness(g, version) <= 8 for g in replayed)
+        assert all(staleness(g.min_version, version) <= 8 for g in replayed)
         replay.add(fresh, version)
         served_ids.update(g.group_id for g in fresh)
         assert len(replay) <= 50

@@ -1,37 +1,20 @@
 """RaaS workers obey the commands on ``control`` that ``astraflow control`` writes: a pause (for the workflow or
 one worker) holds them, a resume lets them go on, a throttle caps the prompts they roll out per minute; a
 worker started after a command obeys it (the topic is compacted, the command is its state)."""
-import uuid
-
 import pytest
 from typer.testing import CliRunner
 
 from astraflow.cli import app
 from astraflow.config import load_config
 from astraflow.monitor import RunMonitor
-from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
-from tests.producers.test_backpressure import reported
+from raas_rig import acquired_run, reported, run_config
 from topics.bus import connect
-from topics.layout import ensure_run_topics
-from topics.names import TopicNames
 from topics.schemas import Control
 
 
 def _config(tmp_path, bus_url, tiny_model_dir):
-    path = tmp_path / "run.yaml"
-    path.write_text(f"""
-run: cc{uuid.uuid4().hex[:8]}
-run_dir: {tmp_path / 'run'}
-bus: {bus_url}
-policies:
-  actor: {{model: {tiny_model_dir}, batch_groups: 4, checkpoint_every: 1000, max_staleness: 100}}
-workflow: {{name: single_turn}}
-data: {{sources: [{{name: arith, limit: 100}}], n_samples: 2}}
-sampling: {{max_new_tokens: 2}}
-raas: {{batch_prompts: 2, max_inflight_groups: 1000}}
-""")
-    return path
+    return run_config(tmp_path, bus_url, tiny_model_dir, prompts=100, max_inflight_groups=1000, max_staleness=100)
 
 
 def _control(path, *args, seen_by=()):
@@ -45,11 +28,8 @@ def _control(path, *args, seen_by=()):
 
 def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path, bus_url, tiny_model_dir):
     path = _config(tmp_path, bus_url, tiny_model_dir)
-    cfg = load_config(path)
-    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    ensure_run_topics(bus.admin(), names, ["actor"], partitions=2)
-    assert acquire_run(cfg.acquisition_section()) == 100
-    produced = lambda: sum(bus.admin().end_offsets(names.trajectories("actor")).values())  # noqa: E731
+    run = acquired_run(path, 2)
+    produced = run.produced
 
     def steps(worker, n=6, until=None):
         """``n`` steps (or fewer, once ``until`` groups were produced); the groups produced then."""
@@ -60,7 +40,7 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
         return produced()
 
     assert "raas.single_turn: pause" in _control(path, "pause", "--reason", "maintenance")
-    worker = RaasWorker(cfg.raas_section(), 0, bus)  # started after the pause: obeys it
+    worker = run.worker()  # started after the pause: obeys it
     try:
         assert steps(worker) == 0
         assert worker.paused_reason == "paused by control (raas.single_turn: maintenance)"
@@ -79,7 +59,7 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
         before = produced()
         assert steps(worker) == before
         assert worker.paused_reason.startswith("paused by control (raas.single_turn/raas-0")
-        other = RaasWorker(cfg.raas_section(), 1, bus)  # another worker is not held
+        other = run.worker(1)  # another worker is not held
         try:
             for _ in range(30):  # both step: the group rebalances, and the other worker gets a partition
                 worker.step()
@@ -99,7 +79,7 @@ def test_pause_resume_and_throttle_for_the_workflow_and_for_one_worker(tmp_path,
         assert worker.paused_reason == "throttled by control to 3 prompts a minute"
         held = reported(worker)
         assert (held["throttled"], held["paused_by_control"], held["paused"]) == (1.0, 0.0, 0.0)
-        monitor = RunMonitor(bus, names, ["actor"], "single_turn")  # what astraflow status shows
+        monitor = RunMonitor(run.bus, run.names, ["actor"], "single_turn")  # what astraflow status shows
         try:
             for _ in range(40):
                 monitor.poll(0.5)
@@ -149,7 +129,7 @@ def test_a_command_for_a_run_or_worker_not_there_is_kept_with_a_warning(tmp_path
     runner = CliRunner()
     result = runner.invoke(app, ["control", "pause", str(path)])
     assert result.exit_code == 0, result.output
-    assert "warning: run 'cc" in result.output and "has no topics" in result.output
+    assert "warning: run 'rig" in result.output and "has no topics" in result.output
     assert "kept for when it starts" in result.output
     cfg = load_config(path)
     bus = connect(cfg.bus, cfg.kafka)

@@ -347,17 +347,6 @@ def test_an_interrupt_aborts_the_running_request_on_the_server(fake, engine):
         engine.generate([[1]], SamplingParams())
 
 
-def test_a_refused_update_from_disk_keeps_the_old_version(fake, engine, tmp_path):
-    fake.routes[("POST", "/update_weights_from_disk")] = lambda body: (400, {
-        "success": False, "message": "Failed to update weights: no safetensors.\nRolling back to original weights.",
-        "num_paused_requests": 0})
-    with pytest.raises(EngineUpdateError, match=r"HTTP 400: .*Rolling back to original weights.*stays at version 0"):
-        engine.load_weights_from_disk(tmp_path, 4)
-    assert engine.version == 0
-    assert fake.bodies("/update_weights_from_disk") == [{"model_path": str(tmp_path), "weight_version": "4",
-                                                         "flush_cache": True, "abort_all_requests": False}]
-
-
 def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(tmp_path):
     """RaasWorker.sync_weights with a real Puller and store: the puller's copy moves on (in its pull thread)
     before the engine loads it, so a refused load is handed to the engine again at the next sync instead of

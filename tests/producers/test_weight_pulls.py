@@ -13,14 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from safetensors.torch import load_file
 
-from astraflow.config import load_config
-from producers.acquisition import acquire_run
-from producers.raas import RaasWorker
-from topics.bus import connect
-from topics.layout import ensure_run_topics
-from topics.names import TopicNames
+from raas_rig import acquired_run, publish_model, run_config
 from weights.publisher import Publisher
 from weights.store import WeightStore
 
@@ -45,25 +39,10 @@ def worker_behind_proxy(tmp_path, bus_url, tiny_model_dir, s3_endpoint, monkeypa
         for name, value in (("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}"), ("AWS_ACCESS_KEY_ID", "test"),
                             ("AWS_SECRET_ACCESS_KEY", "test"), ("AWS_REGION", "us-east-1")):
             monkeypatch.setenv(name, value)  # the worker's store: through the proxy
-        path = tmp_path / "run.yaml"
-        path.write_text(f"""
-run: pull{uuid.uuid4().hex[:8]}
-run_dir: {tmp_path / 'run'}
-bus: {bus_url}
-store: s3://{bucket}/weights
-policies:
-  actor: {{model: {tiny_model_dir}, batch_groups: 4, checkpoint_every: 1000, max_staleness: 100}}
-workflow: {{name: single_turn}}
-data: {{sources: [{{name: arith, limit: 200}}], n_samples: 2}}
-sampling: {{max_new_tokens: 2}}
-raas: {{batch_prompts: 2, max_inflight_groups: 1000}}
-""")
-        cfg = load_config(path)
-        names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-        ensure_run_topics(bus.admin(), names, ["actor"])
-        assert acquire_run(cfg.acquisition_section()) == 200
-        worker = RaasWorker(cfg.raas_section(), 0, bus)
-        pub = Publisher(WeightStore(cfg.store, cfg.run, endpoint=s3_endpoint), bus, names, "actor")
+        run = acquired_run(run_config(tmp_path, bus_url, tiny_model_dir, prompts=200, max_inflight_groups=1000,
+                                      max_staleness=100, store=f"s3://{bucket}/weights"))
+        worker = run.worker()
+        pub = Publisher(WeightStore(run.cfg.store, run.cfg.run, endpoint=s3_endpoint), run.bus, run.names, "actor")
         try:
             yield worker, proxy, pub
         finally:
@@ -75,16 +54,10 @@ raas: {{batch_prompts: 2, max_inflight_groups: 1000}}
         proxy.wait()
 
 
-def publish(pub: Publisher, tiny_model_dir, version: int) -> None:
-    """Publish the tiny model as ``version`` (durable and announced when this returns)."""
-    pub.publish(load_file(str(Path(tiny_model_dir) / "model.safetensors")), version)
-    assert pub.wait(60) and not pub.errors
-
-
 @pytest.mark.parametrize("bus_url", ["local"], indirect=True)
 def test_rollout_goes_on_while_a_slow_pull_runs(tmp_path, bus_url, tiny_model_dir, s3_endpoint, monkeypatch):
     with worker_behind_proxy(tmp_path, bus_url, tiny_model_dir, s3_endpoint, monkeypatch, 300) as (worker, _, pub):
-        publish(pub, tiny_model_dir, 1)
+        publish_model(pub, tiny_model_dir, 1)
         deadline = time.monotonic() + 30
         while "actor" not in worker._pulls:  # the announcement arrives; the next step starts the pull
             assert time.monotonic() < deadline, "no pull started"
@@ -109,14 +82,14 @@ def test_rollout_goes_on_while_the_store_hangs(tmp_path, bus_url, tiny_model_dir
     coming on the weights the engine has, a warning names the store within 5 s, and once the store answers
     again the new version is loaded."""
     with worker_behind_proxy(tmp_path, bus_url, tiny_model_dir, s3_endpoint, monkeypatch, 0) as (worker, proxy, pub):
-        publish(pub, tiny_model_dir, 1)
+        publish_model(pub, tiny_model_dir, 1)
         deadline = time.monotonic() + 60
         while worker.engines["actor"].version != 1:
             assert time.monotonic() < deadline, "version 1 was not loaded"
             worker.step()
         proxy.send_signal(signal.SIGSTOP)
         hung = time.monotonic()
-        publish(pub, tiny_model_dir, 2)  # durable (straight to the store) and announced; the worker cannot list it
+        publish_model(pub, tiny_model_dir, 2)  # durable (straight to the store), announced; the worker cannot list it
         rolled, slowest, warned_at = 0, 0.0, None
         with caplog.at_level(logging.WARNING, logger="weights.puller"):
             while time.monotonic() - hung < 10:

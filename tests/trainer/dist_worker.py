@@ -3,8 +3,9 @@
 Usage: ``python dist_worker.py MODEL_DIR OUT RANKS [BACKEND [EXAMPLE]]`` (under ``torchrun --nproc_per_node RANKS``
 when RANKS > 1); BACKEND: ``torch`` (the default: FSDP2 on several ranks) or ``deepspeed`` (ZeRO-2); EXAMPLE: a
 GPU example's YAML whose trainer settings are trained (:func:`example_trainer`) instead of :data:`CONFIG`. Rank 0
-writes ``OUT`` (``torch.save`` of {"weights": name -> float32 tensor, "states": [the published state of each
-version, name -> tensor in param_dtype], "metrics": [per-step metrics dicts], "published": [versions],
+writes ``OUT`` (``torch.save`` of {"weights": name -> float32 tensor, "states": [the weights each step returned
+(what rank 0 publishes), name -> tensor in param_dtype], "metrics": [per-step metrics dicts], "published": [the
+versions of the steps that returned weights],
 "backend_config": the process group's backend, "collective_backend": the one trainer.distributed names for the
 training device, "mp_param_dtype": FSDP2's compute dtype (None for other backends)}); other ranks write their
 metrics to ``OUT.rank<r>``.
@@ -60,16 +61,6 @@ def batches(steps=3, groups=3):
     return out
 
 
-class Recorder:
-    def __init__(self):
-        self.versions, self.states, self.errors, self.durable_version = [], [], [], None
-        self.last_publish = {}
-
-    def publish(self, state_dict, version, samples_consumed=None):
-        self.versions.append(version)
-        self.states.append({k: v.detach().cpu().clone() for k, v in state_dict.items()})
-
-
 def main(model_dir: str, out: str, ranks: str, backend: str = "torch", example: str | None = None) -> None:
     torch.set_num_threads(1)
     import os
@@ -77,15 +68,20 @@ def main(model_dir: str, out: str, ranks: str, backend: str = "torch", example: 
     from trainer.distributed import collective_backend, leave
 
     rank = int(os.environ.get("RANK", "0"))
-    pub = Recorder() if rank == 0 else None
     settings = example_trainer(example) if example else CONFIG
     config = TrainerConfig(**{**settings, "policy": "pol", "ranks": int(ranks), "backend": backend})
-    trainer = Trainer(config, model_dir, publisher=pub)
-    metrics = [trainer.train_step(b) for b in batches()]
+    trainer = Trainer(config, model_dir)
+    metrics, published, states = [], [], []
+    for b in batches():
+        step = trainer.train_step(b, with_weights=True)  # the gather is a collective: every rank asks
+        metrics.append(step.metrics)
+        if step.weights:  # rank 0's: copied before the next step updates them in place
+            published.append(step.version)
+            states.append({k: v.detach().cpu().clone() for k, v in step.weights.items()})
     if rank == 0:
         policy = getattr(trainer.backend, "mp_policy", None)
-        torch.save({"weights": {k: v.float() for k, v in pub.states[-1].items()}, "states": pub.states,
-                    "metrics": metrics, "published": pub.versions,
+        torch.save({"weights": {k: v.float() for k, v in states[-1].items()}, "states": states,
+                    "metrics": metrics, "published": published,
                     "backend_config": torch.distributed.get_backend_config() if torch.distributed.is_initialized()
                     else None, "collective_backend": collective_backend(trainer.device),
                     "mp_param_dtype": None if policy is None else policy.param_dtype}, out)

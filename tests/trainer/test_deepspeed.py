@@ -67,7 +67,7 @@ def test_one_cpu_rank_trains_like_the_torch_backend(tiny_model_dir, make_group):
     plain = Trainer(TrainerConfig(**config), tiny_model_dir)
     ds = Trainer(TrainerConfig(backend="deepspeed", **config), tiny_model_dir)
     for batch in groups:
-        a, b = plain.train_step(batch), ds.train_step(batch)
+        a, b = plain.train_step(batch).metrics, ds.train_step(batch).metrics
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5) and b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     ref, got = plain.publish_state(), ds.publish_state()
     assert set(ref) == set(got) and ds.version == 2
@@ -93,7 +93,7 @@ def test_zero_step_trains_and_publishes_full_weights(single_rank_env, tiny_model
     groups = [make_group([1.0, 0.0], seed=s, gen_len=1) for s in range(3)]
     trainer = Trainer(TrainerConfig(backend="deepspeed", zero_stage=stage, device="cuda", lr=1e-4,
                                     param_dtype="float32"), tiny_model_dir)
-    metrics = trainer.train_step(groups)
+    metrics = trainer.train_step(groups).metrics
     assert trainer.version == 1 and metrics["grad_norm"] > 0
     state = trainer.publish_state()
     assert state and all(v.dtype == torch.bfloat16 for v in state.values())

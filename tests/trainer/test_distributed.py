@@ -13,13 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from astraflow.audit import steps_logged
 from topics.bus import connect
-from topics.codec import decode, encode, headers_for
 from topics.names import TopicNames
-from topics.schemas import Sample, TrajectoryGroup, WeightAnnouncement
 from trainer.checkpoint import load_latest
 from trainer.config import TrainerConfig
 from trainer.distributed import collective_backend
@@ -27,9 +24,9 @@ from trainer.loop import Trainer
 from trainer.model import load_causal_lm
 from trainer.service import CHECKPOINTS, trained_batches
 from dist_worker import sparsity
+from trainer_rig import ROOT, announced, env, produce, replay_lineage, start_trainer, synthetic_group, torchrun
 from weight_tolerance import RESUME_ATOL, WEIGHT_ATOL, weight_gaps
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 #: The multi-rank backends, by ``trainer.backend``, and the checkpoint subdirectory each writes.
@@ -37,22 +34,13 @@ BACKENDS = pytest.mark.parametrize("backend", ["torch", "deepspeed"], ids=["fsdp
 SHARDED_DIR = {"torch": "dcp", "deepspeed": "deepspeed"}
 
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-
-
-def torchrun(nproc: int, *args: str) -> list[str]:
-    """The command line of ``torchrun --standalone --nproc_per_node nproc`` with ``args``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
-
-
 @pytest.mark.slow
 @BACKENDS
 def test_two_ranks_end_with_the_weights_of_one(tiny_model_dir, tmp_path, backend):
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     single = subprocess.Popen([sys.executable, str(WORKER), str(tiny_model_dir), str(one), "1"], cwd=ROOT,
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out2 = subprocess.run(torchrun(2, str(WORKER), str(tiny_model_dir), str(two), "2", backend), cwd=ROOT, env=_env(),
+                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out2 = subprocess.run(torchrun(2, str(WORKER), str(tiny_model_dir), str(two), "2", backend), cwd=ROOT, env=env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     out1 = single.communicate(timeout=600)[0]
     assert single.returncode == 0, out1[-3000:]
@@ -88,7 +76,7 @@ def test_two_ranks_train_the_multi_gpu_example_in_bf16(tiny_model_dir, tmp_path)
     out = tmp_path / "two.pt"
     example = ROOT / "examples" / "gsm8k-qwen3-0.6b-3gpu.yaml"
     run = subprocess.run(torchrun(2, str(WORKER), str(tiny_model_dir), str(out), "2", "torch", str(example)), cwd=ROOT,
-                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+                         env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-5000:]
     got = torch.load(out, weights_only=False)
     assert got["backend_config"] == got["collective_backend"] == "cpu:gloo"
@@ -108,53 +96,20 @@ def test_two_ranks_train_the_multi_gpu_example_in_bf16(tiny_model_dir, tmp_path)
                for m in got["metrics"])
 
 
-def _group(rng, gid):
-    """A synthetic group of 2 samples of 6 tokens (3 generated), rewards 0 and 1."""
-    samples = []
-    for i in range(2):
-        ids = np.r_[[1], rng.integers(5, 60, 5)].astype(np.int32)
-        mask = np.array([0, 0, 0, 1, 1, 1], np.uint8)
-        samples.append(Sample(input_ids=ids, loss_mask=mask, behavior_logprobs=np.where(mask, -2.0, 0.0),
-                              versions=np.where(mask, 0, -1), reward=float(i)))
-    return TrajectoryGroup.build(samples=samples, prompt_id=gid, group_id=gid, policy="pol")
-
-
 #: micro-batches of 1 sample: each rank trains on one sample of each 2-sample batch
 SERVICE_TRAINER = {"param_dtype": "float32", "lr": 1e-3, "micro_batch_size": 1}
 
 
-def _trainer(bus_url, run, model, run_dir, steps, backend, ranks=2, checkpoint_every=2):
-    """``astraflow trainer`` for policy ``pol`` under torchrun on ``ranks`` ranks with ``backend``."""
-    config = run_dir / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "run": run, "bus": bus_url, "run_dir": str(run_dir),
-        "policies": {"pol": {"model": str(model), "steps": steps, "batch_groups": 1, "checkpoint_every": checkpoint_every,
-                             "max_staleness": 100, "trainer": {**SERVICE_TRAINER, "ranks": ranks, "backend": backend}}}}))
-    cmd = torchrun(ranks, "-m", "astraflow", "trainer", str(config), "--policy", "pol")
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _trainer(bus_url, run, model, run_dir, steps, backend, checkpoint_every=2):
+    """``astraflow trainer`` for policy ``pol`` under torchrun on 2 ranks with ``backend``."""
+    return start_trainer(bus_url, run, model, run_dir, steps=steps, checkpoint_every=checkpoint_every,
+                         trainer={**SERVICE_TRAINER, "backend": backend}, ranks=2)
 
 
-def _announcements(bus, names) -> list[int]:
-    """The versions announced on ``weights`` for ``pol``, in order (duplicates kept)."""
-    reader = bus.consumer(None)
-    reader.assign([(names.weights, p) for p in range(bus.admin().describe_topic(names.weights).partitions)])
-    reader.seek_to_beginning()
-    seen, empty = [], 0
-    while empty < 3:
-        records = reader.poll(timeout_s=0.5)
-        empty = 0 if records else empty + 1
-        seen += [a.version for a in (decode(r.value, WeightAnnouncement) for r in records) if a.policy == "pol"]
-    reader.close()
-    return seen
-
-
-def _reference(tiny_model_dir, batches):
-    """One plain process's weights after training ``batches`` (lists of groups) in order."""
-    torch.set_num_threads(1)
-    ref = Trainer(TrainerConfig(policy="pol", **SERVICE_TRAINER), tiny_model_dir)
-    for groups in batches:
-        ref.train_step(groups)
-    return ref.model.state_dict()
+def _reference(tiny_model_dir, lineage, groups):
+    """One plain process's weights after training on ``lineage`` (:func:`trainer.service.trained_batches`)."""
+    *_, reference = replay_lineage(tiny_model_dir, SERVICE_TRAINER, lineage, groups)
+    return reference.model.state_dict()
 
 
 @pytest.mark.slow
@@ -164,13 +119,9 @@ def test_two_rank_service_publishes_each_version_once(bus_url, tiny_model_dir, t
     run = f"dist{uuid.uuid4().hex[:8]}"
     names = TopicNames(run)
     bus = connect(bus_url)
-    bus.admin().create_topic(names.samples("pol"), partitions=2)
-    producer = bus.producer()
     rng = np.random.default_rng(0)
-    groups = {f"g{i}": _group(rng, f"g{i}") for i in range(3)}
-    for g in groups.values():
-        producer.send(names.samples("pol"), encode(g), key=g.prompt_id, headers=headers_for(g))
-    producer.flush()
+    groups = {f"g{i}": synthetic_group(rng, f"g{i}") for i in range(3)}
+    produce(bus, names, groups.values())
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     proc = _trainer(bus_url, run, tiny_model_dir, run_dir, steps=3, backend=backend)
@@ -182,16 +133,15 @@ def test_two_rank_service_publishes_each_version_once(bus_url, tiny_model_dir, t
     entries = trained_batches(bus, names, "pol")
     assert [e.version for e in entries] == [1, 2, 3]
     assert sorted(gid for e in entries for gid in e.group_ids) == sorted(groups)
-    announced = _announcements(bus, names)
-    assert sorted(v for v in announced if v > 0) == [1, 2, 3], announced  # rank 0 alone published, once each
+    versions = {v: len(shas) for v, shas in announced(bus, names).items() if v > 0}
+    assert versions == {1: 1, 2: 1, 3: 1}, versions  # rank 0 alone published, once each
     assert steps_logged(run_dir, "pol") == 3  # one metrics line per step
     assert sum(bus.admin().group_lag(names.trainer_group("pol"), names.samples("pol")).values()) == 0
     # the backend's own checkpoint; its gathered model/ matches one plain process trained on the same batches
     ckpt = load_latest(run_dir / "trainer.pol" / CHECKPOINTS)
     assert ckpt.version == 3 and ckpt.sharded_dir.name == SHARDED_DIR[backend] and ckpt.optimizer == {}
     saved = load_causal_lm(ckpt.model_dir, "float32").state_dict()
-    ref = _reference(tiny_model_dir, [[groups[gid] for gid in e.group_ids] for e in entries])
-    assert not weight_gaps(saved, ref)
+    assert not weight_gaps(saved, _reference(tiny_model_dir, entries, groups))
 
 
 def _child_with_rank(parent: int, rank: int) -> int | None:
@@ -201,10 +151,10 @@ def _child_with_rank(parent: int, rank: int) -> int | None:
             continue
         try:
             ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent and f"RANK={rank}".encode() in env:
+        if ppid == parent and f"RANK={rank}".encode() in environ:
             return int(entry)
     return None
 
@@ -223,13 +173,9 @@ def test_sigkill_of_a_rank_then_resume_trains_nothing_twice(bus_url, tiny_model_
     run = f"dkill{uuid.uuid4().hex[:8]}"
     names = TopicNames(run)
     bus = connect(bus_url)
-    bus.admin().create_topic(names.samples("pol"), partitions=2)
-    producer = bus.producer()
     rng = np.random.default_rng(1)
-    groups = {f"g{i}": _group(rng, f"g{i}") for i in range(6)}
-    for g in groups.values():
-        producer.send(names.samples("pol"), encode(g), key=g.prompt_id, headers=headers_for(g))
-    producer.flush()
+    groups = {f"g{i}": synthetic_group(rng, f"g{i}") for i in range(6)}
+    produce(bus, names, groups.values())
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     proc = _trainer(bus_url, run, tiny_model_dir, run_dir, steps=6, backend=backend, checkpoint_every=3)
@@ -269,8 +215,7 @@ def test_sigkill_of_a_rank_then_resume_trains_nothing_twice(bus_url, tiny_model_
     assert ckpt.version == lineage[-1].version
     saved = load_causal_lm(ckpt.model_dir, "float32").state_dict()
     # A lost optimizer state, or a group trained twice or skipped, moves every tensor by ~lr (weight_tolerance.py).
-    ref = _reference(tiny_model_dir, [[groups[gid] for gid in e.group_ids] for e in lineage])
-    assert not weight_gaps(saved, ref, atol=RESUME_ATOL)
+    assert not weight_gaps(saved, _reference(tiny_model_dir, entries, groups), atol=RESUME_ATOL)
 
 
 def test_launcher_starts_a_multi_rank_trainer_under_torchrun(tmp_path):

@@ -13,16 +13,6 @@ from trainer.model import token_logprobs
 torch.set_num_threads(1)
 
 
-class RecordingPublisher:
-    def __init__(self):
-        self.calls = []
-        self.last_publish = {}
-
-    def publish(self, state_dict, version, samples_consumed=None):
-        self.calls.append((version, {k: v.dtype for k, v in state_dict.items()}))
-        self.consumed = samples_consumed
-
-
 def _seq_logp(trainer, group):
     b = pack_groups([group]).to(trainer.device)
     with torch.no_grad():
@@ -67,11 +57,11 @@ def test_on_policy_update_pushes_each_token_in_its_advantage_direction(tiny_mode
         if len(groups) == 3:
             break
     assert len(groups) == 3
-    pub = RecordingPublisher()
-    trainer = Trainer(TrainerConfig(max_grad_norm=10.0, **cfg), tiny_model_dir, publisher=pub)
+    trainer = Trainer(TrainerConfig(max_grad_norm=10.0, **cfg), tiny_model_dir)
     before = [_seq_logp(trainer, g) for g in groups]
     seen, handle = _capture_logit_grads(trainer.model)
-    metrics = trainer.train_step(groups, samples_consumed=17)
+    step = trainer.train_step(groups, with_weights=True)
+    metrics = step.metrics
     handle.remove()
     after = [_seq_logp(trainer, g) for g in groups]
 
@@ -91,9 +81,9 @@ def test_on_policy_update_pushes_each_token_in_its_advantage_direction(tiny_mode
     assert checked == 3 * 2 * 2
     surrogate = sum(float(a[0] - b[0]) - float(a[1] - b[1]) for a, b in zip(after, before))  # A_pos > 0 > A_neg
     assert surrogate > 0, [(a - b).tolist() for a, b in zip(after, before)]
-    assert trainer.version == 1 and pub.calls[0][0] == 1 and pub.consumed == 17
-    # published in the dtype the trainer trains in, which engines then run (a float32 trainer feeds float32 engines)
-    assert set(pub.calls[0][1].values()) == {getattr(torch, cfg.get("param_dtype", "bfloat16"))}
+    assert trainer.version == step.version == 1 and metrics["version"] == 1.0
+    # returned in the dtype the trainer trains in, which engines then run (a float32 trainer feeds float32 engines)
+    assert {v.dtype for v in step.weights.values()} == {getattr(torch, cfg.get("param_dtype", "bfloat16"))}
     for key in ("loss", "pg_loss", "kl", "clipfrac", "entropy", "grad_norm", "reward_mean", "reward_std",
                 "is_ratio_mean", "is_ratio_max", "is_ratio_min", "behaviour_kl", "tokens_per_s", "wait_frac"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
@@ -104,7 +94,9 @@ def test_on_policy_update_pushes_each_token_in_its_advantage_direction(tiny_mode
 def test_temperature_divides_logits(tiny_model_dir, make_group):
     g = make_group([1.0, 0.0], temperature=0.7)
     trainer = Trainer(TrainerConfig(temperature=0.7, param_dtype="float32"), tiny_model_dir)
-    metrics = trainer.train_step([g])
+    step = trainer.train_step([g])
+    metrics = step.metrics
+    assert step.weights is None  # not asked for: nothing gathered
     # behaviour logprobs were recorded at T=0.7, so on-policy ratios are exactly 1
     assert metrics["is_ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["is_ratio_min"] == pytest.approx(1.0, abs=1e-4)
@@ -117,7 +109,7 @@ def test_behaviour_kl_is_the_k3_estimate_on_generated_tokens(tiny_model_dir, mak
     g = make_group([1.0, 0.0])
     for s in g.samples:
         s.behavior_logprobs = s.behavior_logprobs - 0.3 * s.loss_mask
-    metrics = Trainer(TrainerConfig(param_dtype="float32"), tiny_model_dir).train_step([g])
+    metrics = Trainer(TrainerConfig(param_dtype="float32"), tiny_model_dir).train_step([g]).metrics
     assert metrics["is_ratio_mean"] == pytest.approx(math.exp(0.3), rel=1e-4)
     assert metrics["behaviour_kl"] == pytest.approx(math.exp(0.3) - 1.3, rel=1e-3)
 
@@ -125,7 +117,7 @@ def test_behaviour_kl_is_the_k3_estimate_on_generated_tokens(tiny_model_dir, mak
 def test_staleness_histogram(tiny_model_dir, make_group):
     groups = [make_group([1.0, 0.0], version=v, seed=v) for v in (3, 3, 5)]
     trainer = Trainer(TrainerConfig(param_dtype="float32"), tiny_model_dir)
-    m = trainer.train_step(groups, version_now=6)
+    m = trainer.train_step(groups, version_now=6).metrics
     assert m["staleness_hist/3"] == 2.0 and m["staleness_hist/1"] == 1.0 and m["staleness_max"] == 3.0
 
 
@@ -134,7 +126,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_model_dir, mak
     runs = []
     for micro in (None, 2):
         t = Trainer(TrainerConfig(lr=1e-3, param_dtype="float32", micro_batch_size=micro), tiny_model_dir)
-        runs.append(t.train_step(groups))
+        runs.append(t.train_step(groups).metrics)
     # same loss and same pre-clip gradient norm: the micro-batch gradients add up to the batch's
     assert runs[1]["loss"] == pytest.approx(runs[0]["loss"], rel=1e-5, abs=1e-7)
     assert runs[1]["grad_norm"] == pytest.approx(runs[0]["grad_norm"], rel=1e-4)
@@ -142,19 +134,18 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_model_dir, mak
 
 def test_mini_batches_take_several_optimizer_steps(tiny_model_dir, make_group):
     t = Trainer(TrainerConfig(lr=1e-3, param_dtype="float32", mini_batch_size=2, ppo_epochs=2), tiny_model_dir)
-    m = t.train_step([make_group([1.0, 0.0, 1.0, 0.0])])
+    m = t.train_step([make_group([1.0, 0.0, 1.0, 0.0])]).metrics
     assert t.optimizer.state_dict()["state"][0]["step"].item() == 4  # 2 mini-batches x 2 epochs
     assert m["version"] == 1.0
 
 
 def test_the_bf16_only_optimizer_updates_bf16_params_and_publishes_bf16(tiny_model_dir, make_group):
-    pub = RecordingPublisher()
-    t = Trainer(TrainerConfig(lr=1e-3, master_dtype="bfloat16"), tiny_model_dir, publisher=pub)
+    t = Trainer(TrainerConfig(lr=1e-3, master_dtype="bfloat16"), tiny_model_dir)
     before = [p.detach().clone() for p in t.model.parameters()]
     assert before[0].dtype == torch.bfloat16
-    t.train_step([make_group([1.0, 0.0], gen_len=2)])
+    step = t.train_step([make_group([1.0, 0.0], gen_len=2)], with_weights=True)
     assert any(not torch.equal(b, p) for b, p in zip(before, t.model.parameters()))
-    assert pub.calls == [(1, pub.calls[0][1])] and set(pub.calls[0][1].values()) == {torch.bfloat16}
+    assert step.version == 1 and {v.dtype for v in step.weights.values()} == {torch.bfloat16}
 
 
 def test_bad_config_is_named():
@@ -162,30 +153,10 @@ def test_bad_config_is_named():
         TrainerConfig(loss_agg="seq-sum-norm")
 
 
-def test_a_version_is_copied_to_host_once_and_the_step_waits_only_for_that_copy(tiny_model_dir, make_group, tmp_path):
-    """publish_state hands the publisher the model's own tensors (no copy when param_dtype is the model's);
-    the publisher's host copy is the only one, and it is all the step waits for: encoding and the upload to
-    the store run after train_step has returned."""
-    from topics.bus import connect
-    from topics.names import TopicNames
-    from weights.publisher import Publisher
-    from weights.store import WeightStore
-
-    names = TopicNames("onecopy")
-    bus = connect(f"local://{tmp_path / 'bus'}")
-    store = WeightStore(f"file://{tmp_path / 'store'}", names.run)
-    publisher = Publisher(store, bus, names, "p")
-    trainer = Trainer(TrainerConfig(param_dtype="float32", lr=1e-3, device="cpu"), tiny_model_dir, publisher=publisher)
+def test_the_weights_a_step_returns_are_the_models_own_tensors(tiny_model_dir, make_group):
+    """With ``param_dtype`` the model's dtype, the weights a step returns (:meth:`Trainer.publish_state`) are the
+    model's own tensors, not a copy: the publisher's host copy is the one copy of a version."""
+    trainer = Trainer(TrainerConfig(param_dtype="float32", lr=1e-3, device="cpu"), tiny_model_dir)
+    step = trainer.train_step([make_group([1.0, 0.0], seed=0, gen_len=2)], with_weights=True)
     params = trainer.model.state_dict()
-    state = trainer.publish_state()
-    assert all(state[k].data_ptr() == params[k].data_ptr() for k in state)
-    m = trainer.train_step([make_group([1.0, 0.0], seed=0, gen_len=2), make_group([0.0, 1.0], seed=1, gen_len=2)])
-    assert 0 < m["publish_wait_s"] < m["step_s"]
-    assert publisher.wait(30) and not publisher.errors
-    assert 1 in store.versions("p")
-    # the next step reports the newest version published: 1 (or 2, if its background publish won the race)
-    m = trainer.train_step([make_group([1.0, 0.0], seed=2, gen_len=2), make_group([0.0, 1.0], seed=3, gen_len=2)])
-    assert publisher.wait(30) and m["published_version"] in (1.0, 2.0) and m["publish_s"] > 0
-    sizes = {a.version: a.bytes for a in publisher.announcements}
-    assert m["publish_bytes"] == sizes[int(m["published_version"])] > 0
-    publisher.close()
+    assert step.weights and all(step.weights[k].data_ptr() == params[k].data_ptr() for k in step.weights)

@@ -48,19 +48,19 @@ def test_tis_weight_by_hand():
     assert torch.allclose(w, torch.tensor([[2.0, 3.0, 0.5]]), atol=1e-6)  # 2, min(9, 3), 0.5
 
 
-def test_m2po_mask_by_hand():
+def test_m2po_clip_ignores_padding_by_hand():
     # All A > 0 and r > 1 (harmful): (log r)^2 = .01, .04, .09, 1.0 on valid tokens; padding (huge) ignored.
     # mean = .285 > .04; budget 4*.04 = .16; capping at .01 -> .04, at .04 -> .13, at .09 -> .23 >= .16:
     # bound sqrt(.04), so the .09 and 1.0 tokens are clipped (the authors' capping rule, not removal).
     log_ratio = torch.tensor([[0.1, 0.2, 0.3], [1.0, 5.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     adv = torch.tensor([1.0, 1.0])
-    keep = losses.m2po_mask(log_ratio, adv, mask, tau=0.04)
-    assert keep.tolist() == [[True, True, False], [False, False, False]]
-    # under tau already: everything valid kept
-    assert losses.m2po_mask(log_ratio, adv, mask, tau=0.3).tolist() == [[True, True, True], [True, False, False]]
-    # tokens that moved against their advantage are never masked
-    assert losses.m2po_mask(log_ratio, -adv, mask, tau=0.0).tolist() == [[True, True, True], [True, False, False]]
+    clip, _ = losses.m2po_clip(log_ratio, adv, mask, tau=0.04)
+    assert clip.tolist() == [[False, False, True], [True, False, False]]
+    # under tau already: nothing clipped
+    assert not losses.m2po_clip(log_ratio, adv, mask, tau=0.3)[0].any()
+    # tokens that moved against their advantage are never clipped
+    assert not losses.m2po_clip(log_ratio, -adv, mask, tau=0.0)[0].any()
 
 
 def test_k3_kl_by_hand():

@@ -93,7 +93,7 @@ def publish_versions(trainer, pub, versions):
 
 def test_publish_does_not_wait_for_slow_store(run, tmp_path):
     bus, names = run
-    store = SlowStore(WeightStore.default_uri(tmp_path), names.run)
+    store = SlowStore((tmp_path / "weights").as_uri(), names.run)
     trainer = Trainer()
     plain = []
     for _ in range(4):
@@ -118,7 +118,7 @@ def test_publish_does_not_wait_for_slow_store(run, tmp_path):
 
 def test_puller_five_behind_catches_up_through_the_chain(run, tmp_path):
     bus, names = run
-    store = WeightStore(WeightStore.default_uri(tmp_path), names.run)
+    store = WeightStore((tmp_path / "weights").as_uri(), names.run)
     trainer = Trainer()
     pub = Publisher(store, bus, names, "solver")
     snaps = publish_versions(trainer, pub, [0])
@@ -148,7 +148,7 @@ def test_dense_float32_updates_back_off_from_delta_attempts(run, tmp_path):
     """Every weight changes each version (full float32 training): deltas are tried at versions 1, 2, 4 and 8
     only, every version is a full snapshot, and a puller still lands on the newest one bit-exactly."""
     bus, names = run
-    store = WeightStore(WeightStore.default_uri(tmp_path), names.run)
+    store = WeightStore((tmp_path / "weights").as_uri(), names.run)
     gen = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(4096, generator=gen)}
     pub = Publisher(store, bus, names, "solver")
@@ -170,7 +170,7 @@ def test_dense_float32_updates_back_off_from_delta_attempts(run, tmp_path):
 
 def test_corrupt_delta_is_refetched_then_replaced_by_a_full_snapshot(run, tmp_path, caplog):
     bus, names = run
-    store = WeightStore(WeightStore.default_uri(tmp_path), names.run)
+    store = WeightStore((tmp_path / "weights").as_uri(), names.run)
     trainer = Trainer()
     pub = Publisher(store, bus, names, "solver", max_chain=2)  # full snapshot every third version
     snaps = publish_versions(trainer, pub, range(6))
@@ -191,7 +191,7 @@ def test_corrupt_delta_is_refetched_then_replaced_by_a_full_snapshot(run, tmp_pa
 
 def test_missing_object_clear_error_retry_and_old_weights_kept(run, tmp_path, caplog):
     bus, names = run
-    uri = WeightStore.default_uri(tmp_path)
+    uri = (tmp_path / "weights").as_uri()
     trainer = Trainer()
     pub = Publisher(WeightStore(uri, names.run), bus, names, "solver")
     snaps = publish_versions(trainer, pub, range(4))
@@ -263,7 +263,7 @@ def test_a_ghost_announcement_is_not_a_target(run, tmp_path, caplog):
     from topics.schemas import WeightAnnouncement
 
     bus, names = run
-    uri = WeightStore.default_uri(tmp_path)
+    uri = (tmp_path / "weights").as_uri()
     trainer = Trainer()
     pub = Publisher(WeightStore(uri, names.run), bus, names, "solver")
     snaps = publish_versions(trainer, pub, range(3))

@@ -9,7 +9,7 @@ from weights.store import ObjectExists, ObjectMissing, StoreError, WeightStore
 @pytest.fixture(params=["file", "s3"])
 def store(request, tmp_path):
     if request.param == "file":
-        return WeightStore(WeightStore.default_uri(tmp_path), "run")
+        return WeightStore((tmp_path / "weights").as_uri(), "run")
     uri, options = request.getfixturevalue("s3_uri")
     return WeightStore(uri, "run", **options)
 
@@ -25,7 +25,6 @@ def test_put_get_list_and_missing(store, tmp_path):
     versions = store.versions("solver")
     assert {v: {k: o.size for k, o in objs.items()} for v, objs in versions.items()} == {1: {"full": 1000}, 2: {"delta": 7}}
     assert store.uri_of(versions[2]["delta"].key).endswith("/run/solver/00000002/delta.zst")
-    assert store.key_of(store.uri_of("run/solver/00000002/delta.zst")) == "run/solver/00000002/delta.zst"
     with pytest.raises(ObjectMissing, match="00000009/full.safetensors does not exist"):
         store.get(store.key("solver", 9, "full"))
     dst = tmp_path / "down.bin"
@@ -56,7 +55,7 @@ def test_bad_uri():
 
 def test_local_put_is_atomic_for_concurrent_readers(tmp_path):
     """A reader polling while a writer creates large objects only ever sees a whole object, or none."""
-    store = WeightStore(WeightStore.default_uri(tmp_path), "run")
+    store = WeightStore((tmp_path / "weights").as_uri(), "run")
     keys = [store.key("p", v, "full") for v in range(1, 7)]
     payloads = [bytes([v]) * (4 << 20) for v in range(1, 7)]
     seen, stop = [], threading.Event()
