@@ -301,7 +301,9 @@ class RunConfig(_Strict):
         return RaasSection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store,
                            policies={p: pc.rollout_part() for p, pc in self.policies.items()},
                            workflow=self.workflow, sampling=self.sampling, n_samples=self.data.n_samples,
-                           raas=self.raas, tools=self.tools)
+                           raas=self.raas, tools=self.tools,
+                           fresh_fraction={p: 1.0 - sum(getattr(s, "ratio", 0.0) or 0.0 for s in pc.serving)
+                                           for p, pc in self.policies.items()})
 
     def acquisition_section(self) -> AcquisitionSection:
         """What acquisition takes of this config: its curators gate the prompts of the first policy."""

@@ -282,3 +282,6 @@ class RaasSection(RunAddress):
     n_samples: int = Field(ge=1, description="G: samples per prompt")
     raas: RaasConfig = Field(description="the rollout workers' own settings")
     tools: ToolsConfig = Field(description="the tools agent episodes may call")
+    fresh_fraction: dict[str, float] = Field(default_factory=dict, description="per policy, the fraction of each "
+                                             "training batch made of fresh groups: 1 - its serving policy's replay "
+                                             "ratio (from policies.<p>.serving; a policy not named: 1)")

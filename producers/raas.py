@@ -289,11 +289,13 @@ class RaasWorker:
             self._pull_errors[policy] = e
 
     def inflight_limit(self, policy: str) -> int:
-        """Groups of ``policy`` allowed in flight: ``raas.max_inflight_groups`` when set, else
-        ``batch_groups x max(max_staleness, 1)``, what its trainer takes before a group produced
-        now would be too stale to train (so that groups are not produced only to be dropped)."""
+        """Groups of ``policy`` allowed in flight: ``raas.max_inflight_groups`` when set, else the fresh groups its
+        trainer takes in ``max(max_staleness, 1)`` versions, ``round(batch_groups x fresh_fraction)`` a version
+        (the rest of a batch is replayed), after which a group produced now would be too stale to train (so that
+        groups are not produced only to be dropped)."""
         pc = self.cfg.policies[policy]
-        return self.cfg.raas.max_inflight_groups or pc.batch_groups * max(pc.max_staleness, 1)
+        fresh = max(1, round(pc.batch_groups * self.cfg.fresh_fraction.get(policy, 1.0)))
+        return self.cfg.raas.max_inflight_groups or fresh * max(pc.max_staleness, 1)
 
     def inflight_groups(self, policy: str) -> int | None:
         """Groups of ``policy`` produced but not yet taken by its filters and trainer (records), or

@@ -93,3 +93,21 @@ def test_each_component_gets_its_own_section():
     controller = cfg.controller_section()
     assert (controller.policies, controller.workers, controller.workflow) == (["actor"], cfg.raas.workers,
                                                                               cfg.workflow.name)
+
+
+def test_raas_keeps_in_flight_the_fresh_groups_a_trainer_takes_within_the_bound():
+    """With half of each batch replayed, the trainer takes 8 fresh groups of 16 a version: RaaS keeps 8 x 4 in
+    flight at max_staleness 4, not 16 x 4 (a group produced behind 64 would be 8 versions old when trained, and
+    dropped as stale); an explicit raas.max_inflight_groups still wins."""
+    from types import SimpleNamespace
+
+    from producers.raas import RaasWorker
+
+    def limit(*overrides):
+        cfg = load_config(ROOT / "examples/arith-tiny.yaml", ["policies.actor.max_staleness=4", *overrides])
+        return RaasWorker.inflight_limit(SimpleNamespace(cfg=cfg.raas_section()), "actor")
+
+    assert limit() == 16 * 4
+    assert limit("policies.actor.serving=[{name: replay, ratio: 0.5}]") == 8 * 4
+    assert limit("policies.actor.serving=[{name: replay}]") == 12 * 4  # the default ratio, 0.25
+    assert limit("policies.actor.serving=[{name: replay, ratio: 0.5}]", "raas.max_inflight_groups=40") == 40
