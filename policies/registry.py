@@ -3,7 +3,7 @@
 A run's config lists policies in order, each an entry ``{"name": ..., **params}``, read into a typed config
 (:mod:`policies.config`). ``name`` is either a registered name (``"greso"``, ``"filter_zero_adv"``, ...)
 or ``"package.module:Class"``, a user's own class imported with importlib
-from the user's code (the module must be importable, i.e. on ``sys.path``).
+from the user's code (the module must be importable: on ``sys.path``, or in the working directory).
 
 Example::
 
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from typing import TYPE_CHECKING, Callable, Iterable, TypeVar
 
 from policies.base import Policy, PolicyConfigError
@@ -59,7 +61,8 @@ def known_policies() -> list[str]:
 
 
 def resolve_policy(name: str) -> type[Policy]:
-    """The class for ``name``: a registered name or ``module:Class``.
+    """The class for ``name``: a registered name or ``module:Class`` (the module found on ``sys.path`` or, last,
+    in the working directory, also when the ``astraflow`` script runs, which does not put it on the path).
 
     Raises:
         PolicyConfigError: unknown name (the message lists the known ones), a
@@ -76,6 +79,8 @@ def resolve_policy(name: str) -> type[Policy]:
                                           "(or name your own class as module:Class)")
         return cls
     module_name, _, attr = name.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # a user's module where the command runs, as `python -m` would find it
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

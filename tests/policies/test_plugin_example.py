@@ -2,6 +2,9 @@
 is read (exit 2, the field named), and the plugins run on real groups and outcomes on the embedded bus."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,7 +29,7 @@ MODULE = "examples.plugins.reward_band"
 
 @pytest.fixture(autouse=True)
 def repo_on_path(monkeypatch):
-    """The plugins' module is importable from the repository root, as README's PYTHONPATH=. makes it."""
+    """The plugins' module is importable from the repository root, where the README runs it."""
     monkeypatch.syspath_prepend(str(REPO))
 
 
@@ -53,6 +56,18 @@ def test_a_misspelled_option_is_refused_when_the_config_is_read(tmp_path, overri
     result = CliRunner().invoke(app, ["run", CONFIG, f"run_dir={tmp_path}", override])
     assert result.exit_code == 2 and message in result.output
     assert not any(tmp_path.iterdir())  # nothing was started or written
+
+
+def test_the_astraflow_script_finds_a_plugin_in_the_working_directory(tmp_path):
+    """The ``astraflow`` console script does not put the working directory on ``sys.path`` (``python -m`` does); a
+    user's ``module:Class`` there is found all the same: the refusal names the misspelled option, not the import."""
+    script = Path(sys.executable).with_name("astraflow")
+    override = f"curators=[{{name: '{MODULE}:RolloutBudget', max_rolouts: 2}}]"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([str(script), "run", CONFIG, f"run_dir={tmp_path}", override], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "got an unexpected keyword argument 'max_rolouts'" in result.stderr, \
+        result.stderr[-2000:]
 
 
 def test_a_bad_value_is_refused_by_the_class_before_the_run_starts(tmp_path):
