@@ -16,6 +16,7 @@ import importlib
 import inspect
 import os
 import sys
+from types import ModuleType
 from typing import TYPE_CHECKING, Callable, Iterable, TypeVar
 
 from policies.base import Policy, PolicyConfigError
@@ -54,6 +55,18 @@ def _load_builtins() -> None:
         importlib.import_module(module)
 
 
+def import_user_module(name: str) -> ModuleType:
+    """Import a user's module (a plugin's): from ``sys.path`` or, last, the working directory, also when the
+    ``astraflow`` script runs (unlike ``python -m``, it does not put the working directory on the path).
+
+    Raises:
+        ImportError: no such module, or importing it failed.
+    """
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    return importlib.import_module(name)
+
+
 def known_policies() -> list[str]:
     """The registered policy names, sorted."""
     _load_builtins()
@@ -61,8 +74,8 @@ def known_policies() -> list[str]:
 
 
 def resolve_policy(name: str) -> type[Policy]:
-    """The class for ``name``: a registered name or ``module:Class`` (the module found on ``sys.path`` or, last,
-    in the working directory, also when the ``astraflow`` script runs, which does not put it on the path).
+    """The class for ``name``: a registered name or ``module:Class`` (the module imported by
+    :func:`import_user_module`).
 
     Raises:
         PolicyConfigError: unknown name (the message lists the known ones), a
@@ -79,10 +92,8 @@ def resolve_policy(name: str) -> type[Policy]:
                                           "(or name your own class as module:Class)")
         return cls
     module_name, _, attr = name.partition(":")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())  # a user's module where the command runs, as `python -m` would find it
     try:
-        module = importlib.import_module(module_name)
+        module = import_user_module(module_name)
     except ImportError as e:
         raise PolicyConfigError(name, f"cannot import module {module_name!r}: {e}") from None
     cls = getattr(module, attr, None)

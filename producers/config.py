@@ -141,8 +141,26 @@ class WorkflowConfig(_Strict):
     """The agent workflow and which policy plays each of its roles."""
 
     name: str = "single_turn"
+    module: str | None = Field(default=None, description="a user's module to import first, which registers the "
+                               "workflow `name` (@register_workflow); found on sys.path or in the working directory")
     roles: dict[str, str] = Field(default_factory=dict, description="role -> policy name")
     options: dict[str, Any] = Field(default_factory=dict, description="workflow options, e.g. max_turns")
+
+    @model_validator(mode="after")
+    def _user_workflow_registers(self) -> "WorkflowConfig":
+        if self.module is None:
+            return self
+        from policies.registry import import_user_module
+        from producers.workflows import WORKFLOWS
+
+        try:
+            import_user_module(self.module)
+        except ImportError as e:
+            raise ValueError(f"workflow.module: cannot import {self.module!r}: {e}") from None
+        if self.name not in WORKFLOWS:
+            raise ValueError(f"workflow.module {self.module!r} registers no workflow {self.name!r} (registered: "
+                             f"{sorted(WORKFLOWS)})")
+        return self
 
 
 class RaasConfig(_Strict):
