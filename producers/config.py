@@ -5,10 +5,11 @@ which validates the whole once and cuts each component its section.
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.config import CuratorSpec
 from producers.sources import source_name
@@ -235,10 +236,60 @@ class SearchToolConfig(_Strict):
         return self
 
 
+class CustomToolConfig(BaseModel):
+    """A user's own tool, ``{class: "package.module:Class", **params}``: an async callable (argument in, answer out,
+    never raising for a failed call), built as ``Class(**params)`` in each RaaS worker. The module is imported and
+    ``params`` checked against the class's signature when the config is read."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    cls: str = Field(alias="class", pattern=r"^[\w.]+:\w+$", description="package.module:Class of the tool")
+
+    def params(self) -> dict[str, Any]:
+        """The keyword arguments of the tool's class."""
+        return dict(self.model_extra or {})
+
+    def tool_class(self) -> type:
+        """The tool's class, imported (:func:`policies.registry.import_user_module`).
+
+        Raises:
+            ValueError: the module cannot be imported or has no such class.
+        """
+        from policies.registry import import_user_module
+
+        module_name, _, attr = self.cls.partition(":")
+        try:
+            module = import_user_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"{self.cls}: cannot import module {module_name!r}: {e}") from None
+        found = getattr(module, attr, None)
+        if not isinstance(found, type):
+            raise ValueError(f"{self.cls}: module {module_name!r} has no class {attr!r}")
+        return found
+
+    @model_validator(mode="after")
+    def _class_takes_params(self) -> "CustomToolConfig":
+        cls = self.tool_class()
+        try:
+            inspect.signature(cls).bind(**self.params())
+        except TypeError as e:
+            accepted = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+            raise ValueError(f"{self.cls}: {e}; accepted parameters: {', '.join(accepted) or 'none'}") from None
+        return self
+
+
 class ToolsConfig(_Strict):
-    """The tools agent episodes may call."""
+    """The tools agent episodes may call: ``search`` (built in) and the user's own, by the name a workflow calls
+    them by (``tools: {calculator: {class: "my_tools:Calculator", digits: 6}}``)."""
+
+    model_config = ConfigDict(extra="allow")
 
     search: SearchToolConfig | None = Field(default=None, description="the search tool; None: no search")
+    __pydantic_extra__: dict[str, CustomToolConfig] = Field(init=False)  # the user's tools, validated as such
+
+    def custom(self) -> dict[str, CustomToolConfig]:
+        """The user's own tools, by name."""
+        return dict(self.model_extra or {})
 
 
 class RolloutPolicyConfig(_Strict):

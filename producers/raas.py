@@ -130,22 +130,25 @@ def standalone_engine(policy: str, pc: RolloutPolicyConfig, dtype: str, log_dir:
 
 
 def make_tools(tools: ToolsConfig, search_url: str | None = None) -> dict[str, Tool]:
-    """The tools the run's episodes call, by name: ``search`` (:class:`producers.search_tool.SearchTool`) when
+    """The tools the run's episodes call, by name: the user's own (``Class(**params)`` of each
+    :class:`~producers.config.CustomToolConfig`), and ``search`` (:class:`producers.search_tool.SearchTool`) when
     ``tools.search`` is configured, at its ``url``, else at ``search_url`` (the server ``astraflow run`` started).
 
     Raises:
-        ValueError: ``tools.search`` with neither ``url`` nor ``search_url``.
+        ValueError: ``tools.search`` with neither ``url`` nor ``search_url``; a user's tool class refusing its
+            options.
     """
+    built: dict[str, Tool] = {name: spec.tool_class()(**spec.params()) for name, spec in tools.custom().items()}
     search = tools.search
     if search is None:
-        return {}
+        return built
     url = search.url or search_url
     if url is None:
         raise ValueError("tools.search.url is not set: a RaaS worker started by hand needs the URL of a running "
                          "search server (`astraflow run` starts one and tells its workers)")
     from producers.search_tool import SearchTool
 
-    return {"search": SearchTool(url, timeout_s=search.timeout_s, top_k=search.top_k)}
+    return {**built, "search": SearchTool(url, timeout_s=search.timeout_s, top_k=search.top_k)}
 
 
 def context_length(model_dir: str | Path) -> int | None:
@@ -611,10 +614,13 @@ class RaasWorker:
         values["prompts_inflight"] = float(len(self.episodes))
         for p, b in self.batchers.items():  # requests per engine call: how much the episodes share the engine
             values[f"engine_batch.{p}"] = b.rows / b.calls if b.calls else 0.0
-        for name, tool in self.tools.items():  # each tool's latency percentiles (seconds) and failures
-            values.update({f"tool.{name}.{q}_s": v for q, v in tool.percentiles().items()})
-            values[f"tool.{name}.calls_total"] = float(tool.calls)
-            values[f"tool.{name}.errors_total"] = float(sum(tool.errors.values()))
+        for name, tool in self.tools.items():  # each tool's latency percentiles (seconds) and failures, if it counts
+            if hasattr(tool, "percentiles"):
+                values.update({f"tool.{name}.{q}_s": v for q, v in tool.percentiles().items()})
+            if hasattr(tool, "calls"):
+                values[f"tool.{name}.calls_total"] = float(tool.calls)
+            if hasattr(tool, "errors"):
+                values[f"tool.{name}.errors_total"] = float(sum(tool.errors.values()))
         metric = Metric(component=self.id, kind="raas", values=values)
         self.producer.send(self.names.metrics, encode(metric), key=self.id, headers=headers_for(metric))
 
