@@ -61,31 +61,13 @@ def _admin(cfg):
 
 
 def _component_setup(name: str, cfg) -> threading.Event:
-    """Logging for a component process, the run's topics (created if missing, so components can start
-    in any order on any machine), and a stop event set by SIGTERM / SIGINT, and also, in a component
-    that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launched.watch_launcher`). SIGUSR1
-    writes every thread's stack to the log (:func:`faulthandler.register`). The process first pins itself to the CPUs the launcher placed it on (:func:`astraflow.placement.apply_placement`)."""
-    from astraflow.launched import watch_launcher
+    """:func:`astraflow.launched.component_setup` of component ``name``, creating the run's topics on the config's
+    bus (exit with status 2 when the bus cannot be used)."""
+    from astraflow.launched import component_setup
     from topics.layout import ensure_run_topics
     from topics.names import TopicNames
 
-    from astraflow.placement import apply_placement
-
-    placed = apply_placement()  # before anything starts a thread
-    # SIGUSR1 writes every thread's stack to the log (the process's own stderr, not a replaced sys.stderr): the
-    # launcher sends it before killing a wedged component
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
-    stop = threading.Event()  # before anything that takes time: a SIGTERM during start-up stops cleanly too
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
-    logging.getLogger("astraflow").info("%s on %s", name, placed)
-    ensure_run_topics(_admin(cfg), TopicNames(cfg.run), list(cfg.policies))
-    watch_launcher(name, stop)
-    # Everything imported so far (torch, transformers: ~10^6 objects) lives as long as the process: out of the
-    # collector's sight, its full collections and the one at exit skip it (1 s of CPU less per exit, measured)
-    gc.freeze()
-    return stop
+    return component_setup(name, lambda: ensure_run_topics(_admin(cfg), TopicNames(cfg.run), list(cfg.policies)))
 
 
 @app.command()
@@ -213,48 +195,18 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     trainer ...`): rank 0 reads the bus, publishes and checkpoints, all ranks train (FSDP2 or ZeRO)."""
     if local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    from policies.registry import build_serving
-    from topics.bus import connect
-    from topics.names import TopicNames
-    from trainer.distributed import leave
-    from trainer.service import ServiceConfig, TrainerService
-    from weights.models import resolve_model
-    from weights.publisher import Publisher
-    from weights.store import WeightStore
+    from trainer.main import InvalidServing, main
 
     cfg, policy = _load_policy(config, overrides, policy)
-    pc = cfg.policies[policy]
+    section = cfg.trainer_section(policy)
     stop = _component_setup(f"trainer.{policy}", cfg)
     try:
-        replay = build_serving(pc.serving)
-    except ValueError as e:
+        summary = main(section, stop)
+    except InvalidServing as e:
         typer.echo(f"invalid policies.{policy}.serving: {e}", err=True)
         raise typer.Exit(2)
-    service_cfg = ServiceConfig(bus=cfg.bus, kafka=cfg.kafka, run=cfg.run, model_dir=resolve_model(pc.model),
-                                run_dir=cfg.run_dir / f"trainer.{policy}", trainer=cfg.trainer_config(policy),
-                                steps=pc.steps,
-                                batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
-                                checkpoint_every=pc.checkpoint_every, console=False,
-                                barrier_peers={q: c.steps for q, c in cfg.policies.items() if q != policy}
-                                if cfg.coupling == "barrier" and len(cfg.policies) > 1 else None)
-    if service_cfg.trainer.ranks > 1 and int(os.environ.get("RANK", "0")) != 0:
-        # A follower rank of a multi-rank trainer: no bus, no publisher; rank 0 drives it.
-        from trainer.service import run_follower
-
-        summary = run_follower(service_cfg)
-        leave()
-        logging.getLogger(__name__).info("trainer.%s rank %d done: %s", policy, summary["rank"], summary)
-        return
-    publisher = Publisher(WeightStore(cfg.store, cfg.run), connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), policy,
-                          keep_versions=pc.keep_versions, producer_id=f"trainer.{policy}")
-    service = TrainerService(service_cfg, publisher=publisher, replay=replay)
-    try:
-        summary = service.run(stop)
-    finally:
-        publisher.close()
-        service.close()
-    leave()
-    print(json.dumps(summary), flush=True)
+    if summary is not None:  # rank 0's; a follower rank logged its own
+        print(json.dumps(summary), flush=True)
 
 
 @app.command()
@@ -537,53 +489,24 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from rich.console import Console
     from rich.table import Table
 
-    from consumers.evaluation import DEFAULT_BENCHMARKS, LiveEvaluator, evaluate, load_benchmark, pull_newest
-    from producers.engines import EngineUpdateError
-    from producers.raas import standalone_engine
-    from producers.sources import SourceError
-    from topics.bus import connect
-    from weights.puller import WeightsUnavailable
-    from weights.store import StoreError
+    from consumers.evaluation_run import EvalRefused, WeightsNotLoaded, main, plan
 
     cfg, policy = _load_policy(config, overrides, policy)
-    k = cfg.eval.k if k is None else k
-    temperature = cfg.eval.temperature if temperature is None else temperature
-    limit = cfg.eval.limit if limit is None else limit
-    max_new_tokens = cfg.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
-    for name, value, low in (("--k", k, 1), ("--limit", limit, 1), ("--max-new-tokens", max_new_tokens, 1)):
-        if value is not None and value < low:
-            typer.echo(f"{name} must be >= {low}, got {value}", err=True)
-            raise typer.Exit(2)
-    if temperature <= 0:
-        typer.echo(f"--temperature must be > 0 for avg@k sampling, got {temperature}", err=True)
+    try:
+        evaluation = plan(cfg.eval_section(policy), benchmarks=benchmark, k=k, temperature=temperature, limit=limit,
+                          max_new_tokens=max_new_tokens)
+    except EvalRefused as e:
+        typer.echo(str(e), err=True)
         raise typer.Exit(2)
-    names = list(benchmark or cfg.eval.benchmarks or DEFAULT_BENCHMARKS)
-    prompts = []
-    for name in names:
-        try:
-            found = load_benchmark(name, limit)
-        except SourceError as e:
-            typer.echo(f"benchmark {name!r}: {e}", err=True)
-            raise typer.Exit(2)
-        if not found:
-            typer.echo(f"benchmark {name!r} has no well-formed prompts", err=True)
-            raise typer.Exit(2)
-        prompts += found
-    kwargs = dict(k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
-    stop = _component_setup(f"eval.{policy}", cfg) if live else None
-    pc = cfg.policies[policy]
-    with standalone_engine(policy, pc, pc.trainer.param_dtype, cfg.run_dir) as engine:
-        if live:
-            LiveEvaluator(connect(cfg.bus, cfg.kafka), cfg.store, cfg.run, policy, engine, prompts, **kwargs).run(stop)
-            return
-        try:
-            pull_newest(engine, cfg.store, cfg.run, policy)
-        except (WeightsUnavailable, StoreError, EngineUpdateError) as e:
-            typer.echo(f"cannot load the newest weights of {policy!r}: {e}", err=True)
-            raise typer.Exit(1)
-        result = evaluate(engine, prompts, **kwargs)
+    try:
+        result = main(evaluation, _component_setup(f"eval.{policy}", cfg) if live else None)
+    except WeightsNotLoaded as e:
+        typer.echo(f"cannot load the newest weights of {policy!r}: {e}", err=True)
+        raise typer.Exit(1)
+    if result is None:  # live: its results went to `metrics`
+        return
     table = Table("benchmark", "n", "k", "pass@1 (avg@k)", "± stderr",
-                  title=f"{policy} v{result.version}, T={temperature}")
+                  title=f"{policy} v{result.version}, T={evaluation.section.temperature}")
     for name, b in result.benchmarks.items():
         table.add_row(name, str(b.n), str(b.k), f"{b.pass_at_1:.4f}", f"{b.stderr:.4f}")
     Console().print(table)

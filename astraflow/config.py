@@ -8,7 +8,8 @@ RaaS workers and the evaluation. Every component command (``astraflow run``,
 The sections a package's components need live in that package (:mod:`producers.config`, :mod:`policies.config`,
 :mod:`trainer.config`); this module composes them into :class:`RunConfig`, validates the whole file once, and cuts
 each component its own section (:meth:`RunConfig.raas_section`, :meth:`RunConfig.acquisition_section`,
-:meth:`RunConfig.controller_section`, :meth:`RunConfig.replay_section`).
+:meth:`RunConfig.controller_section`, :meth:`RunConfig.replay_section`, :meth:`RunConfig.trainer_section`,
+:meth:`RunConfig.eval_section`).
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from consumers.config import EvalSection
 from policies.config import AcceptAllConfig, CuratorSpec, FilterSpec, ServingSpec
 from producers.config import (AcquisitionSection, DataConfig, RaasConfig, RaasSection, RolloutPolicyConfig, RunAddress,
                               SamplingConfig, ToolsConfig, WorkflowConfig)
 from topics.kafka_security import KafkaSecurity
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, TrainerSection
 
 
 class ConfigError(ValueError):
@@ -324,6 +326,34 @@ class RunConfig(_Strict):
         return ReplaySection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store, policy=policy,
                              model=pc.model, trainer=self.trainer_config(policy), steps=pc.steps,
                              batch_groups=pc.batch_groups, max_staleness=pc.max_staleness)
+
+    def trainer_section(self, policy: str) -> TrainerSection:
+        """What ``policy``'s trainer process takes of this config: its own directory ``<run_dir>/trainer.<policy>``,
+        and with ``coupling: barrier`` among several policies, the others' steps as its barrier peers.
+
+        Raises:
+            KeyError: ``policy`` is not in ``policies``.
+        """
+        pc = self.policies[policy]
+        peers = ({q: c.steps for q, c in self.policies.items() if q != policy}
+                 if self.coupling == "barrier" and len(self.policies) > 1 else None)
+        return TrainerSection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store, policy=policy,
+                              model=pc.model, run_dir=self.run_dir / f"trainer.{policy}",
+                              trainer=self.trainer_config(policy), steps=pc.steps, batch_groups=pc.batch_groups,
+                              max_staleness=pc.max_staleness, checkpoint_every=pc.checkpoint_every,
+                              keep_versions=pc.keep_versions, serving=pc.serving, barrier_peers=peers)
+
+    def eval_section(self, policy: str) -> EvalSection:
+        """What an evaluation of ``policy`` takes of this config (``eval``, ``sampling.max_new_tokens``).
+
+        Raises:
+            KeyError: ``policy`` is not in ``policies``.
+        """
+        pc = self.policies[policy]
+        return EvalSection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store, run_dir=self.run_dir,
+                           seed=self.seed, policy=policy, engine=pc.rollout_part(), param_dtype=pc.trainer.param_dtype,
+                           benchmarks=self.eval.benchmarks, k=self.eval.k, temperature=self.eval.temperature,
+                           limit=self.eval.limit, max_new_tokens=self.sampling.max_new_tokens)
 
     def trainer_config(self, policy: str) -> TrainerConfig:
         """Policy ``policy``'s trainer config as its trainer uses it: named ``policy``, dividing logits by
