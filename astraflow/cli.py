@@ -5,14 +5,11 @@ commands (``acquire``, ``raas``, ``policy``, ``trainer``) start one part each,
 for multi-machine deployments: each takes the same CONFIG plus ``key=value``
 overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
 """
-import faulthandler
-import gc
 import json
 import logging
 import os
 import re
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Optional
@@ -284,26 +281,15 @@ def exporter(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) 
     9400): every figure on the `metrics` topic (its own consumer group `<run>.exporter`), the consumer
     groups' lag and the components' restarts. Runs until SIGTERM; `astraflow run` starts it when
     `exporter.port` is set."""
-    from astraflow.exporter import MetricsExporter
-    from topics.bus import connect
-    from topics.names import TopicNames
+    from astraflow.exporter import CannotServe, main
 
     cfg = _load(config, overrides)
-    stop = _component_setup("exporter", cfg)
-    exp = MetricsExporter(connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), list(cfg.policies), cfg.workflow.name,
-                          run_dir=cfg.run_dir, lag_every_s=cfg.exporter.lag_every_s)
-    port = cfg.exporter.port if cfg.exporter.port is not None else 9400
+    section = cfg.metrics_section()
     try:
-        port = exp.serve(port, cfg.exporter.host)
-    except OSError as e:
-        typer.echo(f"exporter.port={port} on {cfg.exporter.host}: cannot serve: {e}", err=True)
+        main(section, _component_setup("exporter", cfg))
+    except CannotServe as e:
+        typer.echo(str(e), err=True)
         raise typer.Exit(2)
-    logging.getLogger("astraflow").info("exporter: serving http://%s:%d/metrics", cfg.exporter.host, port)
-    try:
-        while not stop.is_set():
-            exp.poll(0.5)
-    finally:
-        exp.close()
 
 
 @app.command()
@@ -313,9 +299,7 @@ def tracker(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     consumer group `<run>.tracker`; offsets are committed after each flush (`tracking.flush_every_s`), so a
     restart resumes after what was written. Runs until SIGTERM; `astraflow run` starts it when a sink is set.
     Needs the tracking profile (scripts/install.sh tracking)."""
-    from astraflow.tracker import MetricsTracker, TrackingUnavailable, require_packages
-    from topics.bus import connect
-    from topics.names import TopicNames
+    from astraflow.tracker import CannotWrite, TrackingUnavailable, main, require_packages
 
     cfg = _load(config, overrides)
     if not cfg.tracking.enabled:
@@ -326,14 +310,11 @@ def tracker(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     except TrackingUnavailable as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
-    stop = _component_setup("tracker", cfg)
     try:
-        tracking = MetricsTracker(connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), list(cfg.policies),
-                                  cfg.workflow.name, cfg.tracking, cfg.run_dir)
-    except OSError as e:
-        typer.echo(f"tracking.tensorboard_dir={cfg.tracking.tensorboard_dir}: cannot write there: {e}", err=True)
+        main(cfg.metrics_section(), _component_setup("tracker", cfg))
+    except CannotWrite as e:
+        typer.echo(str(e), err=True)
         raise typer.Exit(2)
-    tracking.run(stop)
 
 
 @app.command("search-server")
@@ -433,41 +414,32 @@ def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
            as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables")) -> None:
     """Show a run's state: per consumer group the lag, per policy the version and reward, and the
     throughput. Reads `metrics` as its own consumer group; never disturbs the run."""
-    import time
-
     from rich.console import Console
     from rich.live import Live
 
-    from astraflow.monitor import RunMonitor
-    from topics.bus import connect
-    from topics.names import TopicNames
+    from astraflow.monitor import observe_run
 
     cfg = _load(config, overrides)
     _admin(cfg)
-    monitor = RunMonitor(connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), list(cfg.policies), cfg.workflow.name)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        monitor.poll(0.5)
-    if not monitor.records and all(n is None for n in monitor.lags().values()):
+    monitor = observe_run(cfg.metrics_section(), seconds)
+    if not monitor.seen():
         typer.echo(f"run {cfg.run!r} has no topics or metrics on {cfg.bus} yet: not started, or another "
                    f"run= / bus=?", err=True)
-    if as_json:
-        print(json.dumps(monitor.snapshot()), flush=True)
-        monitor.close()
-        return
-    if not watch:
-        Console().print(monitor.table())
-        monitor.close()
-        return
     try:
-        with Live(monitor.table(), refresh_per_second=1) as live:
-            while True:
-                monitor.poll(1.0)
-                live.update(monitor.table())
+        if as_json:
+            print(json.dumps(monitor.snapshot()), flush=True)
+        elif not watch:
+            Console().print(monitor.table())
+        else:
+            with Live(monitor.table(), refresh_per_second=1) as live:
+                while True:
+                    monitor.poll(1.0)
+                    live.update(monitor.table())
     except KeyboardInterrupt:
         pass
     finally:
         monitor.close()
+
 
 @app.command("eval")
 def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
@@ -533,8 +505,6 @@ def verify_rewards(
     {"gold_accept", "wrong_reject", "n"}. Records that cannot be made a prompt are skipped, with their
     count and the first one's path:line and reason (e.g. the missing field and the fields it has) on
     stderr; exits 2 when no record is left."""
-    import json
-
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -547,16 +517,10 @@ def verify_rewards(
     except SourceError as e:
         typer.echo(f"--dataset {dataset!r}: {e}", err=True)
         raise typer.Exit(2)
-    n = min(limit, len(source)) if limit > 0 else len(source)
-    prompts, errors = [], []
-    for i in range(n):
-        try:
-            prompts.append(source[i])
-        except SourceError as e:
-            errors.append(str(e))
+    prompts, errors = source.head(limit)
     if errors:
-        typer.echo(f"skipped {len(errors)} of {n} record(s) that cannot be made a prompt; the first: {errors[0]}",
-                   err=True)
+        typer.echo(f"skipped {len(errors)} of {len(prompts) + len(errors)} record(s) that cannot be made a prompt; "
+                   f"the first: {errors[0]}", err=True)
     if not prompts:
         hint = "" if answer_field else " (--answer-field names the gold answer's field)"
         typer.echo(f"--dataset {dataset!r}: no record to score{hint}", err=True)

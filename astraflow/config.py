@@ -6,10 +6,10 @@ RaaS workers and the evaluation. Every component command (``astraflow run``,
 ``acquire``, ``raas``, ``policy``, ``trainer``) reads the same file.
 
 The sections a package's components need live in that package (:mod:`producers.config`, :mod:`policies.config`,
-:mod:`trainer.config`); this module composes them into :class:`RunConfig`, validates the whole file once, and cuts
-each component its own section (:meth:`RunConfig.raas_section`, :meth:`RunConfig.acquisition_section`,
-:meth:`RunConfig.controller_section`, :meth:`RunConfig.replay_section`, :meth:`RunConfig.trainer_section`,
-:meth:`RunConfig.eval_section`).
+:mod:`trainer.config`, :mod:`consumers.config`); this module composes them into :class:`RunConfig`, validates the
+whole file once, and cuts each component its own section (:meth:`RunConfig.raas_section`,
+:meth:`RunConfig.acquisition_section`, :meth:`RunConfig.controller_section`, :meth:`RunConfig.metrics_section`,
+:meth:`RunConfig.replay_section`, :meth:`RunConfig.trainer_section`, :meth:`RunConfig.eval_section`).
 """
 from __future__ import annotations
 
@@ -230,6 +230,17 @@ class ReplaySection(RunAddress):
     max_staleness: int = Field(ge=0, description="the staleness bound when re-served")
 
 
+class MetricsSection(RunAddress):
+    """What the readers of the run's ``metrics`` take: ``astraflow status`` (:func:`astraflow.monitor.observe_run`),
+    the exporter (:func:`astraflow.exporter.main`) and the tracker (:func:`astraflow.tracker.main`)."""
+
+    run_dir: Path = Field(description="the run's directory (the launcher's components.json, W&B's offline runs)")
+    policies: list[str] = Field(min_length=1, description="the run's policies")
+    workflow: str = Field(description="the workflow whose RaaS workers' group is shown")
+    exporter: ExporterConfig = Field(description="the Prometheus exporter's settings")
+    tracking: TrackingConfig = Field(description="the tracker's sinks")
+
+
 class RunConfig(_Strict):
     """A whole run. ``bus`` and ``store`` default to the embedded bus and a local store in ``run_dir``."""
 
@@ -315,6 +326,12 @@ class RunConfig(_Strict):
         """What the scaling controller takes of this config."""
         return ControllerSection(run=self.run, workflow=self.workflow.name, policies=list(self.policies),
                                  workers=self.raas.workers, controller=self.controller)
+
+    def metrics_section(self) -> MetricsSection:
+        """What the readers of the run's metrics take of this config."""
+        return MetricsSection(run=self.run, bus=self.bus, kafka=self.kafka, run_dir=self.run_dir,
+                              policies=list(self.policies), workflow=self.workflow.name, exporter=self.exporter,
+                              tracking=self.tracking)
 
     def replay_section(self, policy: str) -> ReplaySection:
         """What a replay of ``policy`` takes of this config.

@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING
 
 from astraflow.monitor import RunMonitor
 from topics.atomic_write import atomic_write
-from topics.bus import Bus, BusError, FatalBusError
+from topics.bus import Bus, BusError, FatalBusError, connect
 from topics.names import TopicNames
 from topics.schemas import Metric
 
 if TYPE_CHECKING:
-    from astraflow.config import TrackingConfig
+    from astraflow.config import MetricsSection, TrackingConfig
 
 log = logging.getLogger(__name__)
 
@@ -272,3 +272,23 @@ class MetricsTracker:
                             "(an offline run is under %s/wandb for `wandb sync`)", WANDB_FINISH_S, self.run_dir)
             self._wandb = None
         self.monitor.close()
+
+
+class CannotWrite(OSError):
+    """The tracker's TensorBoard directory cannot be made; the message names it and why."""
+
+
+def main(section: MetricsSection, stop: threading.Event) -> None:
+    """Write the run's metrics to the configured sinks until ``stop`` is set (``astraflow tracker``).
+
+    Raises:
+        CannotWrite: ``tracking.tensorboard_dir`` cannot be made.
+        ValueError, TrackingUnavailable: as :class:`MetricsTracker`.
+        OSError, topics.bus.FatalBusError: as :meth:`MetricsTracker.run`.
+    """
+    try:
+        tracking = MetricsTracker(connect(section.bus, section.kafka), TopicNames(section.run), section.policies,
+                                  section.workflow, section.tracking, section.run_dir)
+    except OSError as e:
+        raise CannotWrite(f"tracking.tensorboard_dir={section.tracking.tensorboard_dir}: cannot write there: {e}") from e
+    tracking.run(stop)
