@@ -119,10 +119,6 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     logging.getLogger("astraflow").info("acquisition done: %d prompts sent", sent)
 
 
-#: what a RaaS worker's --worker-id may be (it names the worker raas-<id>)
-WORKER_ID = r"[A-Za-z0-9._-]{1,64}"
-
-
 @app.command()
 def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
          worker_id: str = typer.Option("0", "--worker-id",
@@ -135,6 +131,7 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
                                                   "has no url (astraflow run gives the one it started)")) -> None:
     """Run one rollout worker: join the `raas.<workflow>` consumer group on `prompts`, roll out,
     write groups to `trajectories.<policy>`. Start more to scale out; SIGTERM stops it cleanly."""
+    from astraflow.worker_commands import WORKER_ID
     from producers.raas import RaasWorker
 
     if not re.fullmatch(WORKER_ID, worker_id):
@@ -246,22 +243,14 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
     restarted later obeys it too. A pause for the workflow holds every worker whatever their own commands say."""
     from pydantic import ValidationError
 
-    from astraflow.worker_commands import ACTIONS, send_command, worker_command
+    from astraflow.worker_commands import CommandRefused, check_options, send_command, worker_command
     from topics.bus import BusError
 
-    if action not in ACTIONS:
-        typer.echo(f"action {action!r}: one of {', '.join(ACTIONS)}", err=True)
-        raise typer.Exit(2)
-    if per_minute is not None and action != "throttle":
-        typer.echo(f"--per-minute is for throttle, not {action}", err=True)
-        raise typer.Exit(2)
-    if worker is not None and not re.fullmatch(WORKER_ID, worker):
-        typer.echo(f"--worker {worker!r}: a worker's --worker-id, 1-64 letters, digits, '.', '_' or '-'", err=True)
-        raise typer.Exit(2)
-    cfg = _load(config, overrides)
     try:
+        check_options(action, worker, per_minute)
+        cfg = _load(config, overrides)
         msg = worker_command(cfg.workflow.name, action, worker, per_minute, reason)
-    except ValidationError as e:
+    except (CommandRefused, ValidationError) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
     try:
@@ -374,24 +363,18 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     (bit-exact on CPU); without them, the serving stage re-serves the topic (not bit-exact).
     Prints a table and a JSON line {"metric": "replay", "versions", "matched", "mismatched", ...};
     exits 1 when an exact replay mismatches or cannot find its groups."""
-    cfg, policy = _load_policy(config, overrides, policy)
-    threads = threads if threads is not None else int(os.environ.get("OMP_NUM_THREADS") or 1)
-    if threads < 1:
-        typer.echo(f"--threads must be >= 1, got {threads}", err=True)
-        raise typer.Exit(2)
-    import torch
     from rich.console import Console
     from rich.table import Table
 
     from astraflow.replay import ReplayError, replay_run
 
-    torch.set_num_threads(threads)
+    cfg, policy = _load_policy(config, overrides, policy)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     err = Console(stderr=True)
     try:
-        result = replay_run(cfg.replay_section(policy), publish_as=publish_as,
+        result = replay_run(cfg.replay_section(policy), publish_as=publish_as, threads=threads,
                             on_version=lambda v, sha: err.print(f"replayed {policy} v{v}: sha256 {sha[:16]}"))
-    except ValueError as e:  # a bad --publish-as
+    except ValueError as e:  # a bad --threads or --publish-as
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
     except ReplayError as e:
