@@ -9,62 +9,18 @@ import json
 import logging
 import os
 import re
-import signal
-import threading
 from pathlib import Path
 from typing import Optional
 
 import typer
+
+from astraflow.command_setup import bus_admin, load, load_policy, setup_component
 
 app = typer.Typer(help="AstraFlow: dataflow-oriented RL for agentic LLMs.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
 
 CONFIG = typer.Argument(..., exists=False, help="run config YAML (see examples/)")
 OVERRIDES = typer.Argument(None, help="key=value overrides, e.g. policies.actor.steps=20 bus=kafka://host:9092")
-
-
-def _load(config: Path, overrides: Optional[list[str]]):
-    """Load the config or exit with status 2 and the field-by-field error."""
-    from astraflow.config import ConfigError, load_config
-
-    try:
-        return load_config(config, overrides or [])
-    except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(2)
-
-
-def _load_policy(config: Path, overrides: Optional[list[str]], policy: Optional[str]):
-    """The config and the policy ``--policy`` names (None: the config's only policy), or exit with status 2 and
-    the policies the config has."""
-    cfg = _load(config, overrides)
-    if policy is None and len(cfg.policies) == 1:
-        policy = next(iter(cfg.policies))
-    if policy not in cfg.policies:
-        typer.echo(f"unknown policy {policy!r}; give --policy, one of {sorted(cfg.policies)}", err=True)
-        raise typer.Exit(2)
-    return cfg, policy
-
-
-def _admin(cfg):
-    """The config's bus admin, or exit with status 2 and one line saying why the bus cannot be used."""
-    from topics.bus import BusError, connect
-
-    try:
-        return connect(cfg.bus, cfg.kafka).admin()
-    except BusError as e:
-        typer.echo(f"cannot use bus {cfg.bus}: {e}", err=True)
-        raise typer.Exit(2)
-
-
-def _component_setup(name: str, cfg) -> threading.Event:
-    """:func:`astraflow.launched.component_setup` of component ``name``, creating the run's topics on the config's
-    bus (exit with status 2 when the bus cannot be used)."""
-    from astraflow.launched import component_setup
-    from topics.layout import ensure_run_topics
-    from topics.names import TopicNames
-
-    return component_setup(name, lambda: ensure_run_topics(_admin(cfg), TopicNames(cfg.run), list(cfg.policies)))
 
 
 @app.command()
@@ -80,14 +36,14 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     from astraflow.tracker import TrackingUnavailable
     from topics.bus import BusError
 
-    cfg = _load(config, overrides)
+    cfg = load(config, overrides)
     try:
         preflight(cfg)
     except (KeyError, ValueError, TypeError, FileNotFoundError, TrackingUnavailable) as e:
         reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # a KeyError's str() is its repr
         typer.echo(f"invalid run config {config}: {reason}", err=True)
         raise typer.Exit(2)
-    _admin(cfg)  # after the checks above, so a refused config leaves nothing behind (a local bus is a folder)
+    bus_admin(cfg)  # after the checks above, so a refused config leaves nothing behind (a local bus is a folder)
     try:
         summary = Launcher(cfg, config.absolute(), list(overrides or [])).run()
     except (RuntimeError, BusError) as e:
@@ -109,8 +65,8 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     from producers.acquisition import acquire_run
     from producers.sources import SourceError
 
-    cfg = _load(config, overrides)
-    stop = _component_setup("acquire", cfg)
+    cfg = load(config, overrides)
+    stop = setup_component("acquire", cfg)
     try:
         sent = acquire_run(cfg.acquisition_section(), stop)
     except SourceError as e:
@@ -137,13 +93,13 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     if not re.fullmatch(WORKER_ID, worker_id):
         typer.echo(f"--worker-id {worker_id!r}: use 1-64 letters, digits, '.', '_' or '-'", err=True)
         raise typer.Exit(2)
-    cfg = _load(config, overrides)
+    cfg = load(config, overrides)
     vllm_urls = dict(u.partition("=")[::2] for u in vllm_url or [])
     bad = [u for u in vllm_url or [] if "=" not in u or u.partition("=")[0] not in cfg.policies]
     if bad:
         typer.echo(f"--vllm-url {bad[0]!r}: give POLICY=URL, POLICY one of {sorted(cfg.policies)}", err=True)
         raise typer.Exit(2)
-    stop = _component_setup(f"raas-{worker_id}", cfg)
+    stop = setup_component(f"raas-{worker_id}", cfg)
     RaasWorker(cfg.raas_section(), worker_id, vllm_urls=vllm_urls, search_url=search_url).run(stop)
 
 
@@ -162,13 +118,13 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from policies.registry import build_chain
     from topics.bus import connect
 
-    cfg, policy = _load_policy(config, overrides, policy)
+    cfg, policy = load_policy(config, overrides, policy)
     fp = cfg.policies[policy].filter_processor
     if instance >= fp.instances:
         typer.echo(f"--instance {instance} is not below policies.{policy}.filter_processor.instances "
                    f"({fp.instances})", err=True)
         raise typer.Exit(2)
-    stop = _component_setup(policy_component(policy, instance), cfg)
+    stop = setup_component(policy_component(policy, instance), cfg)
     filters = build_chain(cfg.policies[policy].filters, Filter)
     FilterProcessor(connect(cfg.bus, cfg.kafka), cfg.run, policy, filters, instance=str(instance),
                     max_records=fp.max_records, linger_s=fp.linger_s, metrics_interval_s=fp.metrics_interval_s,
@@ -191,9 +147,9 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
     from trainer.main import InvalidServing, main
 
-    cfg, policy = _load_policy(config, overrides, policy)
+    cfg, policy = load_policy(config, overrides, policy)
     section = cfg.trainer_section(policy)
-    stop = _component_setup(f"trainer.{policy}", cfg)
+    stop = setup_component(f"trainer.{policy}", cfg)
     try:
         summary = main(section, stop)
     except InvalidServing as e:
@@ -215,13 +171,13 @@ def controller(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES
     from astraflow.controller import run_controller
     from topics.bus import connect
 
-    cfg = _load(config, overrides)
+    cfg = load(config, overrides)
     try:  # the actuator's credentials or compose file, before anything starts (run_controller builds its own)
         build_actuator(cfg.controller)
     except (ActuatorError, ValueError) as e:
         typer.echo(f"invalid controller config {config}: {e}", err=True)
         raise typer.Exit(2)
-    stop = _component_setup("controller", cfg)
+    stop = setup_component("controller", cfg)
     run_controller(cfg.controller_section(), connect(cfg.bus, cfg.kafka), stop)
 
 
@@ -248,7 +204,7 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
 
     try:
         check_options(action, worker, per_minute)
-        cfg = _load(config, overrides)
+        cfg = load(config, overrides)
         msg = worker_command(cfg.workflow.name, action, worker, per_minute, reason)
     except (CommandRefused, ValidationError) as e:
         typer.echo(str(e), err=True)
@@ -272,10 +228,10 @@ def exporter(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) 
     `exporter.port` is set."""
     from astraflow.exporter import CannotServe, main
 
-    cfg = _load(config, overrides)
+    cfg = load(config, overrides)
     section = cfg.metrics_section()
     try:
-        main(section, _component_setup("exporter", cfg))
+        main(section, setup_component("exporter", cfg))
     except CannotServe as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
@@ -290,7 +246,7 @@ def tracker(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     Needs the tracking profile (scripts/install.sh tracking)."""
     from astraflow.tracker import CannotWrite, TrackingUnavailable, main, require_packages
 
-    cfg = _load(config, overrides)
+    cfg = load(config, overrides)
     if not cfg.tracking.enabled:
         typer.echo("nothing to track: set tracking.tensorboard_dir or tracking.wandb_project", err=True)
         raise typer.Exit(2)
@@ -300,7 +256,7 @@ def tracker(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
     try:
-        main(cfg.metrics_section(), _component_setup("tracker", cfg))
+        main(cfg.metrics_section(), setup_component("tracker", cfg))
     except CannotWrite as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
@@ -324,7 +280,7 @@ def search_server(
     FTS5) and GET /health, with seeded latency and faults. Prints `search server: serving URL (N documents)` once
     ready; runs until SIGTERM. `astraflow run` starts it as the component `search` when `tools.search` is set
     without a url. Exits 2 on a bad option, 3 on a bad corpus, 1 when the port cannot be bound."""
-    from astraflow.launched import EXIT_BAD_INPUT, watch_launcher
+    from astraflow.launched import EXIT_BAD_INPUT, stop_on_signals, watch_launcher
     from producers.search_server import DEFAULT_CORPUS, Behaviour, SearchServer, serve
 
     try:
@@ -338,9 +294,7 @@ def search_server(
         typer.echo(f"search-server: {e}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s search %(name)s %(levelname)s %(message)s")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     watch_launcher("search", stop)
     try:
         serve(server, stop)
@@ -368,7 +322,7 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 
     from astraflow.replay import ReplayError, replay_run
 
-    cfg, policy = _load_policy(config, overrides, policy)
+    cfg, policy = load_policy(config, overrides, policy)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     err = Console(stderr=True)
     try:
@@ -402,8 +356,8 @@ def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 
     from astraflow.monitor import observe_run
 
-    cfg = _load(config, overrides)
-    _admin(cfg)
+    cfg = load(config, overrides)
+    bus_admin(cfg)
     monitor = observe_run(cfg.metrics_section(), seconds)
     if not monitor.seen():
         typer.echo(f"run {cfg.run!r} has no topics or metrics on {cfg.bus} yet: not started, or another "
@@ -446,7 +400,7 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 
     from consumers.evaluation_run import EvalRefused, WeightsNotLoaded, main, plan
 
-    cfg, policy = _load_policy(config, overrides, policy)
+    cfg, policy = load_policy(config, overrides, policy)
     try:
         evaluation = plan(cfg.eval_section(policy), benchmarks=benchmark, k=k, temperature=temperature, limit=limit,
                           max_new_tokens=max_new_tokens)
@@ -454,7 +408,7 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
     try:
-        result = main(evaluation, _component_setup(f"eval.{policy}", cfg) if live else None)
+        result = main(evaluation, setup_component(f"eval.{policy}", cfg) if live else None)
     except WeightsNotLoaded as e:
         typer.echo(f"cannot load the newest weights of {policy!r}: {e}", err=True)
         raise typer.Exit(1)

@@ -63,6 +63,14 @@ def watch_launcher(name: str, stop: threading.Event, poll_s: float = 1.0) -> thr
     return thread
 
 
+def stop_on_signals() -> threading.Event:
+    """A stop event that SIGTERM and SIGINT set (from now on, in place of their handlers)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
 def component_setup(name: str, create_topics: Callable[[], None]) -> threading.Event:
     """Set up component process ``name``: pin it to the CPUs the launcher placed it on
     (:func:`astraflow.placement.apply_placement`, before anything starts a thread); on SIGUSR1 write every thread's
@@ -84,9 +92,7 @@ def component_setup(name: str, create_topics: Callable[[], None]) -> threading.E
     # SIGUSR1 writes every thread's stack to the log (the process's own stderr, not a replaced sys.stderr): the
     # launcher sends it before killing a wedged component
     faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
-    stop = threading.Event()  # before anything that takes time: a SIGTERM during start-up stops cleanly too
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()  # before anything that takes time: a SIGTERM during start-up stops cleanly too
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
     logging.getLogger("astraflow").info("%s on %s", name, placed)
     create_topics()
