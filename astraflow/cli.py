@@ -113,22 +113,15 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     (exactly-once on Kafka, at-least-once on the embedded bus). Start instances 0..N-1 to scale out:
     they share the partitions of consumer group `filter.<policy>`; SIGTERM stops one after its batch."""
     from astraflow.launched import policy_component
-    from policies.base import Filter
-    from policies.processor import FilterProcessor
-    from policies.registry import build_chain
-    from topics.bus import connect
+    from policies.processor import main
 
     cfg, policy = load_policy(config, overrides, policy)
-    fp = cfg.policies[policy].filter_processor
-    if instance >= fp.instances:
+    section = cfg.filter_section(policy)
+    if instance >= section.processor.instances:
         typer.echo(f"--instance {instance} is not below policies.{policy}.filter_processor.instances "
-                   f"({fp.instances})", err=True)
+                   f"({section.processor.instances})", err=True)
         raise typer.Exit(2)
-    stop = setup_component(policy_component(policy, instance), cfg)
-    filters = build_chain(cfg.policies[policy].filters, Filter)
-    FilterProcessor(connect(cfg.bus, cfg.kafka), cfg.run, policy, filters, instance=str(instance),
-                    max_records=fp.max_records, linger_s=fp.linger_s, metrics_interval_s=fp.metrics_interval_s,
-                    session_timeout_s=fp.session_timeout_s, step_deadline_s=fp.step_deadline_s).run(stop)
+    main(section, instance, setup_component(policy_component(policy, instance), cfg))
 
 
 @app.command()

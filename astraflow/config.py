@@ -8,8 +8,9 @@ RaaS workers and the evaluation. Every component command (``astraflow run``,
 The sections a package's components need live in that package (:mod:`producers.config`, :mod:`policies.config`,
 :mod:`trainer.config`, :mod:`consumers.config`); this module composes them into :class:`RunConfig`, validates the
 whole file once, and cuts each component its own section (:meth:`RunConfig.raas_section`,
-:meth:`RunConfig.acquisition_section`, :meth:`RunConfig.controller_section`, :meth:`RunConfig.metrics_section`,
-:meth:`RunConfig.replay_section`, :meth:`RunConfig.trainer_section`, :meth:`RunConfig.eval_section`).
+:meth:`RunConfig.filter_section`, :meth:`RunConfig.acquisition_section`, :meth:`RunConfig.controller_section`,
+:meth:`RunConfig.metrics_section`, :meth:`RunConfig.replay_section`, :meth:`RunConfig.trainer_section`,
+:meth:`RunConfig.eval_section`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from consumers.config import EvalSection
-from policies.config import AcceptAllConfig, CuratorSpec, FilterSpec, ServingSpec
+from policies.config import (AcceptAllConfig, CuratorSpec, FilterProcessorConfig, FilterSection, FilterSpec,
+                             ServingSpec)
 from producers.config import (AcquisitionSection, DataConfig, RaasConfig, RaasSection, RolloutPolicyConfig, RunAddress,
                               SamplingConfig, ToolsConfig, WorkflowConfig)
 from topics.kafka_security import KafkaSecurity
@@ -33,22 +35,6 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class FilterProcessorConfig(_Strict):
-    """A policy's filter processors (``policies/processor.py``): how many, and their transaction shape."""
-
-    instances: int = Field(default=1, ge=1, description="processors in consumer group filter.<policy>; instance i "
-                           "has transactional.id <run>.filter.<policy>.<i> and they share trajectories' partitions")
-    max_records: int = Field(default=200, ge=1, description="records per poll batch (= per transaction)")
-    linger_s: float = Field(default=0.1, ge=0, description="seconds to keep collecting after the first record")
-    metrics_interval_s: float = Field(default=5.0, gt=0, description="seconds between metrics records")
-    session_timeout_s: float = Field(default=10.0, gt=0, description="seconds before a killed processor's "
-                                     "partitions move to the others")
-    step_deadline_s: float = Field(default=200.0, gt=0, description="seconds one batch (poll, filters, sends, "
-                                   "commit; its bounded calls add up to ~150 s) may take before the processor writes "
-                                   "its stacks to its log and exits to be restarted; astraflow run also kills a "
-                                   "processor that leaves records waiting at unmoved committed offsets for 40 s more")
 
 
 class PolicyConfig(RolloutPolicyConfig):
@@ -308,6 +294,16 @@ class RunConfig(_Strict):
                                  "by the temperature the rollouts were sampled at, or the importance ratios are "
                                  "biased; leave it unset to follow sampling.temperature")
         return self
+
+    def filter_section(self, policy: str) -> FilterSection:
+        """What ``policy``'s filter processors take of this config.
+
+        Raises:
+            KeyError: ``policy`` is not in ``policies``.
+        """
+        pc = self.policies[policy]
+        return FilterSection(run=self.run, bus=self.bus, kafka=self.kafka, policy=policy, filters=pc.filters,
+                             processor=pc.filter_processor)
 
     def raas_section(self) -> RaasSection:
         """What a RaaS worker takes of this config."""
