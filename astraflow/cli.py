@@ -1,10 +1,11 @@
-"""The ``astraflow`` command line.
+"""The ``astraflow`` command line: each command parses its options, calls the function that does its work, and
+renders the result.
 
-``astraflow run CONFIG`` starts a whole run on this machine. The component
-commands (``acquire``, ``raas``, ``policy``, ``trainer``) start one part each,
-for multi-machine deployments: each takes the same CONFIG plus ``key=value``
-overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
+``astraflow run CONFIG`` starts a whole run on this machine. The component commands (``acquire``, ``raas``,
+``policy``, ``trainer``) start one part each, for multi-machine deployments: each takes the same CONFIG plus
+``key=value`` overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
 """
+import importlib.metadata
 import json
 import logging
 import os
@@ -31,17 +32,15 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     "wall_s"} ("interrupted" too after Ctrl-C or SIGTERM), where reward_first and reward_last are the mean
     training reward over the first and the last 20% of trainer steps; metrics.jsonl and reward_curve.png are
     written to the run directory. Exits 1 when the run did not complete, 2 when its config is refused."""
-    from astraflow.launcher.preflight import preflight
+    from astraflow.launcher.preflight import ConfigRefused, check_run_config
     from astraflow.launcher.run import Launcher
-    from astraflow.tracker import TrackingUnavailable
     from topics.bus import BusError
 
     cfg = load(config, overrides)
     try:
-        preflight(cfg)
-    except (KeyError, ValueError, TypeError, FileNotFoundError, TrackingUnavailable) as e:
-        reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # a KeyError's str() is its repr
-        typer.echo(f"invalid run config {config}: {reason}", err=True)
+        check_run_config(cfg)
+    except ConfigRefused as e:
+        typer.echo(f"invalid run config {config}: {e}", err=True)
         raise typer.Exit(2)
     bus_admin(cfg)  # after the checks above, so a refused config leaves nothing behind (a local bus is a folder)
     try:
@@ -66,9 +65,8 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     from producers.sources import SourceError
 
     cfg = load(config, overrides)
-    stop = setup_component("acquire", cfg)
     try:
-        sent = acquire_run(cfg.acquisition_section(), stop)
+        sent = acquire_run(cfg.acquisition_section(), setup_component("acquire", cfg))
     except SourceError as e:
         typer.echo(f"acquisition stopped: {e}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT)
@@ -141,10 +139,8 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from trainer.main import InvalidServing, main
 
     cfg, policy = load_policy(config, overrides, policy)
-    section = cfg.trainer_section(policy)
-    stop = setup_component(f"trainer.{policy}", cfg)
     try:
-        summary = main(section, stop)
+        summary = main(cfg.trainer_section(policy), setup_component(f"trainer.{policy}", cfg))
     except InvalidServing as e:
         typer.echo(f"invalid policies.{policy}.serving: {e}", err=True)
         raise typer.Exit(2)
@@ -222,9 +218,8 @@ def exporter(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) 
     from astraflow.exporter import CannotServe, main
 
     cfg = load(config, overrides)
-    section = cfg.metrics_section()
     try:
-        main(section, setup_component("exporter", cfg))
+        main(cfg.metrics_section(), setup_component("exporter", cfg))
     except CannotServe as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
@@ -237,20 +232,13 @@ def tracker(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     consumer group `<run>.tracker`; offsets are committed after each flush (`tracking.flush_every_s`), so a
     restart resumes after what was written. Runs until SIGTERM; `astraflow run` starts it when a sink is set.
     Needs the tracking profile (scripts/install.sh tracking)."""
-    from astraflow.tracker import CannotWrite, TrackingUnavailable, main, require_packages
+    from astraflow.tracker import TrackingRefused, TrackingUnavailable, main, require_sinks
 
     cfg = load(config, overrides)
-    if not cfg.tracking.enabled:
-        typer.echo("nothing to track: set tracking.tensorboard_dir or tracking.wandb_project", err=True)
-        raise typer.Exit(2)
     try:
-        require_packages(cfg.tracking)
-    except TrackingUnavailable as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(2)
-    try:
+        require_sinks(cfg.tracking)
         main(cfg.metrics_section(), setup_component("tracker", cfg))
-    except CannotWrite as e:
+    except (TrackingRefused, TrackingUnavailable) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
 
@@ -317,10 +305,10 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 
     cfg, policy = load_policy(config, overrides, policy)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    err = Console(stderr=True)
+    err = Console(stderr=True).print
     try:
         result = replay_run(cfg.replay_section(policy), publish_as=publish_as, threads=threads,
-                            on_version=lambda v, sha: err.print(f"replayed {policy} v{v}: sha256 {sha[:16]}"))
+                            on_version=lambda v, sha: err(f"replayed {policy} v{v}: sha256 {sha[:16]}"))
     except ValueError as e:  # a bad --threads or --publish-as
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
@@ -345,7 +333,6 @@ def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     """Show a run's state: per consumer group the lag, per policy the version and reward, and the
     throughput. Reads `metrics` as its own consumer group; never disturbs the run."""
     from rich.console import Console
-    from rich.live import Live
 
     from astraflow.monitor import observe_run
 
@@ -358,15 +345,10 @@ def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     try:
         if as_json:
             print(json.dumps(monitor.snapshot()), flush=True)
-        elif not watch:
-            Console().print(monitor.table())
+        elif watch:
+            monitor.show_live()
         else:
-            with Live(monitor.table(), refresh_per_second=1) as live:
-                while True:
-                    monitor.poll(1.0)
-                    live.update(monitor.table())
-    except KeyboardInterrupt:
-        pass
+            Console().print(monitor.table())
     finally:
         monitor.close()
 
@@ -418,9 +400,7 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 @app.command()
 def version() -> None:
     """Print the AstraFlow version."""
-    from importlib.metadata import version as v
-
-    typer.echo(v("astraflow"))
+    typer.echo(importlib.metadata.version("astraflow"))
 
 
 @app.command("verify-rewards")
@@ -464,5 +444,4 @@ def verify_rewards(
             gold = p.answer if p.answer is not None else str(p.metadata.get("task_id", ""))
             table.add_row(str(p.metadata.get("index")), kind, gold[:40], completion.strip()[:60], f"{score:g}")
         Console().print(table)
-    print(json.dumps({"gold_accept": round(result.gold_accept, 4), "wrong_reject": round(result.wrong_reject, 4),
-                      "n": result.n}), flush=True)
+    print(json.dumps(result.summary()), flush=True)

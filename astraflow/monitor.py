@@ -258,6 +258,18 @@ class RunMonitor:
             "last_dead_letter": self.last_dead_letter,
         }
 
+    def show_live(self) -> None:
+        """Show :meth:`table` in the terminal, reading on and refreshing it every second, until Ctrl-C."""
+        from rich.live import Live
+
+        try:
+            with Live(self.table(), refresh_per_second=1) as live:
+                while True:
+                    self.poll(1.0)
+                    live.update(self.table())
+        except KeyboardInterrupt:
+            pass
+
     def table(self, title: str = "") -> Group:
         """Rich tables: per policy step, version, reward, KL, throughput, staleness; then lag per group; then
         each group's members, with the RaaS workers an operator's pause or throttle holds; then per RaaS worker

@@ -58,8 +58,25 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _serial = itertools.count()
 
 
+class TrackingRefused(ValueError):
+    """The tracking section cannot be used: it sets no sink, or its TensorBoard directory cannot be made; the
+    message says which."""
+
+
 class TrackingUnavailable(ImportError):
     """A tracking sink is configured, and the package it needs is not installed here."""
+
+
+def require_sinks(tracking: "TrackingConfig") -> None:
+    """Check that a sink is configured and that its packages import (:func:`require_packages`).
+
+    Raises:
+        TrackingRefused: no sink is configured.
+        TrackingUnavailable: as :func:`require_packages`.
+    """
+    if not tracking.enabled:
+        raise TrackingRefused("nothing to track: set tracking.tensorboard_dir or tracking.wandb_project")
+    require_packages(tracking)
 
 
 def require_packages(tracking: "TrackingConfig") -> None:
@@ -274,15 +291,11 @@ class MetricsTracker:
         self.monitor.close()
 
 
-class CannotWrite(OSError):
-    """The tracker's TensorBoard directory cannot be made; the message names it and why."""
-
-
 def main(section: MetricsSection, stop: threading.Event) -> None:
     """Write the run's metrics to the configured sinks until ``stop`` is set (``astraflow tracker``).
 
     Raises:
-        CannotWrite: ``tracking.tensorboard_dir`` cannot be made.
+        TrackingRefused: ``tracking.tensorboard_dir`` cannot be made.
         ValueError, TrackingUnavailable: as :class:`MetricsTracker`.
         OSError, topics.bus.FatalBusError: as :meth:`MetricsTracker.run`.
     """
@@ -290,5 +303,5 @@ def main(section: MetricsSection, stop: threading.Event) -> None:
         tracking = MetricsTracker(connect(section.bus, section.kafka), TopicNames(section.run), section.policies,
                                   section.workflow, section.tracking, section.run_dir)
     except OSError as e:
-        raise CannotWrite(f"tracking.tensorboard_dir={section.tracking.tensorboard_dir}: cannot write there: {e}") from e
+        raise TrackingRefused(f"tracking.tensorboard_dir={section.tracking.tensorboard_dir}: cannot write there: {e}") from e
     tracking.run(stop)
