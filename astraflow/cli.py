@@ -1,91 +1,27 @@
-"""The ``astraflow`` command line.
+"""The ``astraflow`` command line: each command parses its options, calls the function that does its work, and
+renders the result.
 
-``astraflow run CONFIG`` starts a whole run on this machine. The component
-commands (``acquire``, ``raas``, ``policy``, ``trainer``) start one part each,
-for multi-machine deployments: each takes the same CONFIG plus ``key=value``
-overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
+``astraflow run CONFIG`` starts a whole run on this machine. The component commands (``acquire``, ``raas``,
+``policy``, ``trainer``) start one part each, for multi-machine deployments: each takes the same CONFIG plus
+``key=value`` overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
 """
-import faulthandler
-import gc
+import importlib.metadata
 import json
 import logging
 import os
 import re
-import signal
-import sys
-import threading
 from pathlib import Path
 from typing import Optional
 
 import typer
+
+from astraflow.command_setup import bus_admin, load, load_policy, setup_component
 
 app = typer.Typer(help="AstraFlow: dataflow-oriented RL for agentic LLMs.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
 
 CONFIG = typer.Argument(..., exists=False, help="run config YAML (see examples/)")
 OVERRIDES = typer.Argument(None, help="key=value overrides, e.g. policies.actor.steps=20 bus=kafka://host:9092")
-
-
-def _load(config: Path, overrides: Optional[list[str]]):
-    """Load the config or exit with status 2 and the field-by-field error."""
-    from astraflow.config import ConfigError, load_config
-
-    try:
-        return load_config(config, overrides or [])
-    except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(2)
-
-
-def _load_policy(config: Path, overrides: Optional[list[str]], policy: Optional[str]):
-    """The config and the policy ``--policy`` names (None: the config's only policy), or exit with status 2 and
-    the policies the config has."""
-    cfg = _load(config, overrides)
-    if policy is None and len(cfg.policies) == 1:
-        policy = next(iter(cfg.policies))
-    if policy not in cfg.policies:
-        typer.echo(f"unknown policy {policy!r}; give --policy, one of {sorted(cfg.policies)}", err=True)
-        raise typer.Exit(2)
-    return cfg, policy
-
-
-def _admin(cfg):
-    """The config's bus admin, or exit with status 2 and one line saying why the bus cannot be used."""
-    from topics.bus import BusError, connect
-
-    try:
-        return connect(cfg.bus, cfg.kafka).admin()
-    except BusError as e:
-        typer.echo(f"cannot use bus {cfg.bus}: {e}", err=True)
-        raise typer.Exit(2)
-
-
-def _component_setup(name: str, cfg) -> threading.Event:
-    """Logging for a component process, the run's topics (created if missing, so components can start
-    in any order on any machine), and a stop event set by SIGTERM / SIGINT, and also, in a component
-    that ``astraflow run`` started, when the launcher dies (:func:`astraflow.launched.watch_launcher`). SIGUSR1
-    writes every thread's stack to the log (:func:`faulthandler.register`). The process first pins itself to the CPUs the launcher placed it on (:func:`astraflow.placement.apply_placement`)."""
-    from astraflow.launched import watch_launcher
-    from topics.layout import ensure_run_topics
-    from topics.names import TopicNames
-
-    from astraflow.placement import apply_placement
-
-    placed = apply_placement()  # before anything starts a thread
-    # SIGUSR1 writes every thread's stack to the log (the process's own stderr, not a replaced sys.stderr): the
-    # launcher sends it before killing a wedged component
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
-    stop = threading.Event()  # before anything that takes time: a SIGTERM during start-up stops cleanly too
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
-    logging.getLogger("astraflow").info("%s on %s", name, placed)
-    ensure_run_topics(_admin(cfg), TopicNames(cfg.run), list(cfg.policies))
-    watch_launcher(name, stop)
-    # Everything imported so far (torch, transformers: ~10^6 objects) lives as long as the process: out of the
-    # collector's sight, its full collections and the one at exit skip it (1 s of CPU less per exit, measured)
-    gc.freeze()
-    return stop
 
 
 @app.command()
@@ -96,19 +32,17 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     "wall_s"} ("interrupted" too after Ctrl-C or SIGTERM), where reward_first and reward_last are the mean
     training reward over the first and the last 20% of trainer steps; metrics.jsonl and reward_curve.png are
     written to the run directory. Exits 1 when the run did not complete, 2 when its config is refused."""
-    from astraflow.launcher.preflight import preflight
+    from astraflow.launcher.preflight import ConfigRefused, check_run_config
     from astraflow.launcher.run import Launcher
-    from astraflow.tracker import TrackingUnavailable
     from topics.bus import BusError
 
-    cfg = _load(config, overrides)
+    cfg = load(config, overrides)
     try:
-        preflight(cfg)
-    except (KeyError, ValueError, TypeError, FileNotFoundError, TrackingUnavailable) as e:
-        reason = e.args[0] if isinstance(e, KeyError) and e.args else e  # a KeyError's str() is its repr
-        typer.echo(f"invalid run config {config}: {reason}", err=True)
+        check_run_config(cfg)
+    except ConfigRefused as e:
+        typer.echo(f"invalid run config {config}: {e}", err=True)
         raise typer.Exit(2)
-    _admin(cfg)  # after the checks above, so a refused config leaves nothing behind (a local bus is a folder)
+    bus_admin(cfg)  # after the checks above, so a refused config leaves nothing behind (a local bus is a folder)
     try:
         summary = Launcher(cfg, config.absolute(), list(overrides or [])).run()
     except (RuntimeError, BusError) as e:
@@ -130,18 +64,13 @@ def acquire(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     from producers.acquisition import acquire_run
     from producers.sources import SourceError
 
-    cfg = _load(config, overrides)
-    stop = _component_setup("acquire", cfg)
+    cfg = load(config, overrides)
     try:
-        sent = acquire_run(cfg.acquisition_section(), stop)
+        sent = acquire_run(cfg.acquisition_section(), setup_component("acquire", cfg))
     except SourceError as e:
         typer.echo(f"acquisition stopped: {e}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT)
     logging.getLogger("astraflow").info("acquisition done: %d prompts sent", sent)
-
-
-#: what a RaaS worker's --worker-id may be (it names the worker raas-<id>)
-WORKER_ID = r"[A-Za-z0-9._-]{1,64}"
 
 
 @app.command()
@@ -156,18 +85,19 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
                                                   "has no url (astraflow run gives the one it started)")) -> None:
     """Run one rollout worker: join the `raas.<workflow>` consumer group on `prompts`, roll out,
     write groups to `trajectories.<policy>`. Start more to scale out; SIGTERM stops it cleanly."""
+    from astraflow.worker_commands import WORKER_ID
     from producers.raas import RaasWorker
 
     if not re.fullmatch(WORKER_ID, worker_id):
         typer.echo(f"--worker-id {worker_id!r}: use 1-64 letters, digits, '.', '_' or '-'", err=True)
         raise typer.Exit(2)
-    cfg = _load(config, overrides)
+    cfg = load(config, overrides)
     vllm_urls = dict(u.partition("=")[::2] for u in vllm_url or [])
     bad = [u for u in vllm_url or [] if "=" not in u or u.partition("=")[0] not in cfg.policies]
     if bad:
         typer.echo(f"--vllm-url {bad[0]!r}: give POLICY=URL, POLICY one of {sorted(cfg.policies)}", err=True)
         raise typer.Exit(2)
-    stop = _component_setup(f"raas-{worker_id}", cfg)
+    stop = setup_component(f"raas-{worker_id}", cfg)
     RaasWorker(cfg.raas_section(), worker_id, vllm_urls=vllm_urls, search_url=search_url).run(stop)
 
 
@@ -181,22 +111,15 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     (exactly-once on Kafka, at-least-once on the embedded bus). Start instances 0..N-1 to scale out:
     they share the partitions of consumer group `filter.<policy>`; SIGTERM stops one after its batch."""
     from astraflow.launched import policy_component
-    from policies.base import Filter
-    from policies.processor import FilterProcessor
-    from policies.registry import build_chain
-    from topics.bus import connect
+    from policies.processor import main
 
-    cfg, policy = _load_policy(config, overrides, policy)
-    fp = cfg.policies[policy].filter_processor
-    if instance >= fp.instances:
+    cfg, policy = load_policy(config, overrides, policy)
+    section = cfg.filter_section(policy)
+    if instance >= section.processor.instances:
         typer.echo(f"--instance {instance} is not below policies.{policy}.filter_processor.instances "
-                   f"({fp.instances})", err=True)
+                   f"({section.processor.instances})", err=True)
         raise typer.Exit(2)
-    stop = _component_setup(policy_component(policy, instance), cfg)
-    filters = build_chain(cfg.policies[policy].filters, Filter)
-    FilterProcessor(connect(cfg.bus, cfg.kafka), cfg.run, policy, filters, instance=str(instance),
-                    max_records=fp.max_records, linger_s=fp.linger_s, metrics_interval_s=fp.metrics_interval_s,
-                    session_timeout_s=fp.session_timeout_s, step_deadline_s=fp.step_deadline_s).run(stop)
+    main(section, instance, setup_component(policy_component(policy, instance), cfg))
 
 
 @app.command()
@@ -213,48 +136,16 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     trainer ...`): rank 0 reads the bus, publishes and checkpoints, all ranks train (FSDP2 or ZeRO)."""
     if local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    from policies.registry import build_serving
-    from topics.bus import connect
-    from topics.names import TopicNames
-    from trainer.distributed import leave
-    from trainer.service import ServiceConfig, TrainerService
-    from weights.models import resolve_model
-    from weights.publisher import Publisher
-    from weights.store import WeightStore
+    from trainer.main import InvalidServing, main
 
-    cfg, policy = _load_policy(config, overrides, policy)
-    pc = cfg.policies[policy]
-    stop = _component_setup(f"trainer.{policy}", cfg)
+    cfg, policy = load_policy(config, overrides, policy)
     try:
-        replay = build_serving(pc.serving)
-    except ValueError as e:
+        summary = main(cfg.trainer_section(policy), setup_component(f"trainer.{policy}", cfg))
+    except InvalidServing as e:
         typer.echo(f"invalid policies.{policy}.serving: {e}", err=True)
         raise typer.Exit(2)
-    service_cfg = ServiceConfig(bus=cfg.bus, kafka=cfg.kafka, run=cfg.run, model_dir=resolve_model(pc.model),
-                                run_dir=cfg.run_dir / f"trainer.{policy}", trainer=cfg.trainer_config(policy),
-                                steps=pc.steps,
-                                batch_groups=pc.batch_groups, max_staleness=pc.max_staleness,
-                                checkpoint_every=pc.checkpoint_every, console=False,
-                                barrier_peers={q: c.steps for q, c in cfg.policies.items() if q != policy}
-                                if cfg.coupling == "barrier" and len(cfg.policies) > 1 else None)
-    if service_cfg.trainer.ranks > 1 and int(os.environ.get("RANK", "0")) != 0:
-        # A follower rank of a multi-rank trainer: no bus, no publisher; rank 0 drives it.
-        from trainer.service import run_follower
-
-        summary = run_follower(service_cfg)
-        leave()
-        logging.getLogger(__name__).info("trainer.%s rank %d done: %s", policy, summary["rank"], summary)
-        return
-    publisher = Publisher(WeightStore(cfg.store, cfg.run), connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), policy,
-                          keep_versions=pc.keep_versions, producer_id=f"trainer.{policy}")
-    service = TrainerService(service_cfg, publisher=publisher, replay=replay)
-    try:
-        summary = service.run(stop)
-    finally:
-        publisher.close()
-        service.close()
-    leave()
-    print(json.dumps(summary), flush=True)
+    if summary is not None:  # rank 0's; a follower rank logged its own
+        print(json.dumps(summary), flush=True)
 
 
 @app.command()
@@ -269,13 +160,13 @@ def controller(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES
     from astraflow.controller import run_controller
     from topics.bus import connect
 
-    cfg = _load(config, overrides)
+    cfg = load(config, overrides)
     try:  # the actuator's credentials or compose file, before anything starts (run_controller builds its own)
         build_actuator(cfg.controller)
     except (ActuatorError, ValueError) as e:
         typer.echo(f"invalid controller config {config}: {e}", err=True)
         raise typer.Exit(2)
-    stop = _component_setup("controller", cfg)
+    stop = setup_component("controller", cfg)
     run_controller(cfg.controller_section(), connect(cfg.bus, cfg.kafka), stop)
 
 
@@ -297,22 +188,14 @@ def control(action: str = typer.Argument(..., help="pause, resume or throttle"),
     restarted later obeys it too. A pause for the workflow holds every worker whatever their own commands say."""
     from pydantic import ValidationError
 
-    from astraflow.worker_commands import ACTIONS, send_command, worker_command
+    from astraflow.worker_commands import CommandRefused, check_options, send_command, worker_command
     from topics.bus import BusError
 
-    if action not in ACTIONS:
-        typer.echo(f"action {action!r}: one of {', '.join(ACTIONS)}", err=True)
-        raise typer.Exit(2)
-    if per_minute is not None and action != "throttle":
-        typer.echo(f"--per-minute is for throttle, not {action}", err=True)
-        raise typer.Exit(2)
-    if worker is not None and not re.fullmatch(WORKER_ID, worker):
-        typer.echo(f"--worker {worker!r}: a worker's --worker-id, 1-64 letters, digits, '.', '_' or '-'", err=True)
-        raise typer.Exit(2)
-    cfg = _load(config, overrides)
     try:
+        check_options(action, worker, per_minute)
+        cfg = load(config, overrides)
         msg = worker_command(cfg.workflow.name, action, worker, per_minute, reason)
-    except ValidationError as e:
+    except (CommandRefused, ValidationError) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
     try:
@@ -332,26 +215,14 @@ def exporter(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) 
     9400): every figure on the `metrics` topic (its own consumer group `<run>.exporter`), the consumer
     groups' lag and the components' restarts. Runs until SIGTERM; `astraflow run` starts it when
     `exporter.port` is set."""
-    from astraflow.exporter import MetricsExporter
-    from topics.bus import connect
-    from topics.names import TopicNames
+    from astraflow.exporter import CannotServe, main
 
-    cfg = _load(config, overrides)
-    stop = _component_setup("exporter", cfg)
-    exp = MetricsExporter(connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), list(cfg.policies), cfg.workflow.name,
-                          run_dir=cfg.run_dir, lag_every_s=cfg.exporter.lag_every_s)
-    port = cfg.exporter.port if cfg.exporter.port is not None else 9400
+    cfg = load(config, overrides)
     try:
-        port = exp.serve(port, cfg.exporter.host)
-    except OSError as e:
-        typer.echo(f"exporter.port={port} on {cfg.exporter.host}: cannot serve: {e}", err=True)
+        main(cfg.metrics_section(), setup_component("exporter", cfg))
+    except CannotServe as e:
+        typer.echo(str(e), err=True)
         raise typer.Exit(2)
-    logging.getLogger("astraflow").info("exporter: serving http://%s:%d/metrics", cfg.exporter.host, port)
-    try:
-        while not stop.is_set():
-            exp.poll(0.5)
-    finally:
-        exp.close()
 
 
 @app.command()
@@ -361,27 +232,15 @@ def tracker(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
     consumer group `<run>.tracker`; offsets are committed after each flush (`tracking.flush_every_s`), so a
     restart resumes after what was written. Runs until SIGTERM; `astraflow run` starts it when a sink is set.
     Needs the tracking profile (scripts/install.sh tracking)."""
-    from astraflow.tracker import MetricsTracker, TrackingUnavailable, require_packages
-    from topics.bus import connect
-    from topics.names import TopicNames
+    from astraflow.tracker import TrackingRefused, TrackingUnavailable, main, require_sinks
 
-    cfg = _load(config, overrides)
-    if not cfg.tracking.enabled:
-        typer.echo("nothing to track: set tracking.tensorboard_dir or tracking.wandb_project", err=True)
-        raise typer.Exit(2)
+    cfg = load(config, overrides)
     try:
-        require_packages(cfg.tracking)
-    except TrackingUnavailable as e:
+        require_sinks(cfg.tracking)
+        main(cfg.metrics_section(), setup_component("tracker", cfg))
+    except (TrackingRefused, TrackingUnavailable) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
-    stop = _component_setup("tracker", cfg)
-    try:
-        tracking = MetricsTracker(connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), list(cfg.policies),
-                                  cfg.workflow.name, cfg.tracking, cfg.run_dir)
-    except OSError as e:
-        typer.echo(f"tracking.tensorboard_dir={cfg.tracking.tensorboard_dir}: cannot write there: {e}", err=True)
-        raise typer.Exit(2)
-    tracking.run(stop)
 
 
 @app.command("search-server")
@@ -402,7 +261,7 @@ def search_server(
     FTS5) and GET /health, with seeded latency and faults. Prints `search server: serving URL (N documents)` once
     ready; runs until SIGTERM. `astraflow run` starts it as the component `search` when `tools.search` is set
     without a url. Exits 2 on a bad option, 3 on a bad corpus, 1 when the port cannot be bound."""
-    from astraflow.launched import EXIT_BAD_INPUT, watch_launcher
+    from astraflow.launched import EXIT_BAD_INPUT, stop_on_signals, watch_launcher
     from producers.search_server import DEFAULT_CORPUS, Behaviour, SearchServer, serve
 
     try:
@@ -416,9 +275,7 @@ def search_server(
         typer.echo(f"search-server: {e}", err=True)
         raise typer.Exit(EXIT_BAD_INPUT)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s search %(name)s %(levelname)s %(message)s")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     watch_launcher("search", stop)
     try:
         serve(server, stop)
@@ -441,24 +298,18 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     (bit-exact on CPU); without them, the serving stage re-serves the topic (not bit-exact).
     Prints a table and a JSON line {"metric": "replay", "versions", "matched", "mismatched", ...};
     exits 1 when an exact replay mismatches or cannot find its groups."""
-    cfg, policy = _load_policy(config, overrides, policy)
-    threads = threads if threads is not None else int(os.environ.get("OMP_NUM_THREADS") or 1)
-    if threads < 1:
-        typer.echo(f"--threads must be >= 1, got {threads}", err=True)
-        raise typer.Exit(2)
-    import torch
     from rich.console import Console
     from rich.table import Table
 
     from astraflow.replay import ReplayError, replay_run
 
-    torch.set_num_threads(threads)
+    cfg, policy = load_policy(config, overrides, policy)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    err = Console(stderr=True)
+    err = Console(stderr=True).print
     try:
-        result = replay_run(cfg.replay_section(policy), publish_as=publish_as,
-                            on_version=lambda v, sha: err.print(f"replayed {policy} v{v}: sha256 {sha[:16]}"))
-    except ValueError as e:  # a bad --publish-as
+        result = replay_run(cfg.replay_section(policy), publish_as=publish_as, threads=threads,
+                            on_version=lambda v, sha: err(f"replayed {policy} v{v}: sha256 {sha[:16]}"))
+    except ValueError as e:  # a bad --threads or --publish-as
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
     except ReplayError as e:
@@ -481,41 +332,26 @@ def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
            as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables")) -> None:
     """Show a run's state: per consumer group the lag, per policy the version and reward, and the
     throughput. Reads `metrics` as its own consumer group; never disturbs the run."""
-    import time
-
     from rich.console import Console
-    from rich.live import Live
 
-    from astraflow.monitor import RunMonitor
-    from topics.bus import connect
-    from topics.names import TopicNames
+    from astraflow.monitor import observe_run
 
-    cfg = _load(config, overrides)
-    _admin(cfg)
-    monitor = RunMonitor(connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), list(cfg.policies), cfg.workflow.name)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        monitor.poll(0.5)
-    if not monitor.records and all(n is None for n in monitor.lags().values()):
+    cfg = load(config, overrides)
+    bus_admin(cfg)
+    monitor = observe_run(cfg.metrics_section(), seconds)
+    if not monitor.seen():
         typer.echo(f"run {cfg.run!r} has no topics or metrics on {cfg.bus} yet: not started, or another "
                    f"run= / bus=?", err=True)
-    if as_json:
-        print(json.dumps(monitor.snapshot()), flush=True)
-        monitor.close()
-        return
-    if not watch:
-        Console().print(monitor.table())
-        monitor.close()
-        return
     try:
-        with Live(monitor.table(), refresh_per_second=1) as live:
-            while True:
-                monitor.poll(1.0)
-                live.update(monitor.table())
-    except KeyboardInterrupt:
-        pass
+        if as_json:
+            print(json.dumps(monitor.snapshot()), flush=True)
+        elif watch:
+            monitor.show_live()
+        else:
+            Console().print(monitor.table())
     finally:
         monitor.close()
+
 
 @app.command("eval")
 def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
@@ -537,53 +373,24 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     from rich.console import Console
     from rich.table import Table
 
-    from consumers.evaluation import DEFAULT_BENCHMARKS, LiveEvaluator, evaluate, load_benchmark, pull_newest
-    from producers.engines import EngineUpdateError
-    from producers.raas import standalone_engine
-    from producers.sources import SourceError
-    from topics.bus import connect
-    from weights.puller import WeightsUnavailable
-    from weights.store import StoreError
+    from consumers.evaluation_run import EvalRefused, WeightsNotLoaded, main, plan
 
-    cfg, policy = _load_policy(config, overrides, policy)
-    k = cfg.eval.k if k is None else k
-    temperature = cfg.eval.temperature if temperature is None else temperature
-    limit = cfg.eval.limit if limit is None else limit
-    max_new_tokens = cfg.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
-    for name, value, low in (("--k", k, 1), ("--limit", limit, 1), ("--max-new-tokens", max_new_tokens, 1)):
-        if value is not None and value < low:
-            typer.echo(f"{name} must be >= {low}, got {value}", err=True)
-            raise typer.Exit(2)
-    if temperature <= 0:
-        typer.echo(f"--temperature must be > 0 for avg@k sampling, got {temperature}", err=True)
+    cfg, policy = load_policy(config, overrides, policy)
+    try:
+        evaluation = plan(cfg.eval_section(policy), benchmarks=benchmark, k=k, temperature=temperature, limit=limit,
+                          max_new_tokens=max_new_tokens)
+    except EvalRefused as e:
+        typer.echo(str(e), err=True)
         raise typer.Exit(2)
-    names = list(benchmark or cfg.eval.benchmarks or DEFAULT_BENCHMARKS)
-    prompts = []
-    for name in names:
-        try:
-            found = load_benchmark(name, limit)
-        except SourceError as e:
-            typer.echo(f"benchmark {name!r}: {e}", err=True)
-            raise typer.Exit(2)
-        if not found:
-            typer.echo(f"benchmark {name!r} has no well-formed prompts", err=True)
-            raise typer.Exit(2)
-        prompts += found
-    kwargs = dict(k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=cfg.seed)
-    stop = _component_setup(f"eval.{policy}", cfg) if live else None
-    pc = cfg.policies[policy]
-    with standalone_engine(policy, pc, pc.trainer.param_dtype, cfg.run_dir) as engine:
-        if live:
-            LiveEvaluator(connect(cfg.bus, cfg.kafka), cfg.store, cfg.run, policy, engine, prompts, **kwargs).run(stop)
-            return
-        try:
-            pull_newest(engine, cfg.store, cfg.run, policy)
-        except (WeightsUnavailable, StoreError, EngineUpdateError) as e:
-            typer.echo(f"cannot load the newest weights of {policy!r}: {e}", err=True)
-            raise typer.Exit(1)
-        result = evaluate(engine, prompts, **kwargs)
+    try:
+        result = main(evaluation, setup_component(f"eval.{policy}", cfg) if live else None)
+    except WeightsNotLoaded as e:
+        typer.echo(f"cannot load the newest weights of {policy!r}: {e}", err=True)
+        raise typer.Exit(1)
+    if result is None:  # live: its results went to `metrics`
+        return
     table = Table("benchmark", "n", "k", "pass@1 (avg@k)", "± stderr",
-                  title=f"{policy} v{result.version}, T={temperature}")
+                  title=f"{policy} v{result.version}, T={evaluation.section.temperature}")
     for name, b in result.benchmarks.items():
         table.add_row(name, str(b.n), str(b.k), f"{b.pass_at_1:.4f}", f"{b.stderr:.4f}")
     Console().print(table)
@@ -593,9 +400,7 @@ def eval_(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
 @app.command()
 def version() -> None:
     """Print the AstraFlow version."""
-    from importlib.metadata import version as v
-
-    typer.echo(v("astraflow"))
+    typer.echo(importlib.metadata.version("astraflow"))
 
 
 @app.command("verify-rewards")
@@ -610,8 +415,6 @@ def verify_rewards(
     {"gold_accept", "wrong_reject", "n"}. Records that cannot be made a prompt are skipped, with their
     count and the first one's path:line and reason (e.g. the missing field and the fields it has) on
     stderr; exits 2 when no record is left."""
-    import json
-
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -624,16 +427,10 @@ def verify_rewards(
     except SourceError as e:
         typer.echo(f"--dataset {dataset!r}: {e}", err=True)
         raise typer.Exit(2)
-    n = min(limit, len(source)) if limit > 0 else len(source)
-    prompts, errors = [], []
-    for i in range(n):
-        try:
-            prompts.append(source[i])
-        except SourceError as e:
-            errors.append(str(e))
+    prompts, errors = source.head(limit)
     if errors:
-        typer.echo(f"skipped {len(errors)} of {n} record(s) that cannot be made a prompt; the first: {errors[0]}",
-                   err=True)
+        typer.echo(f"skipped {len(errors)} of {len(prompts) + len(errors)} record(s) that cannot be made a prompt; "
+                   f"the first: {errors[0]}", err=True)
     if not prompts:
         hint = "" if answer_field else " (--answer-field names the gold answer's field)"
         typer.echo(f"--dataset {dataset!r}: no record to score{hint}", err=True)
@@ -647,5 +444,4 @@ def verify_rewards(
             gold = p.answer if p.answer is not None else str(p.metadata.get("task_id", ""))
             table.add_row(str(p.metadata.get("index")), kind, gold[:40], completion.strip()[:60], f"{score:g}")
         Console().print(table)
-    print(json.dumps({"gold_accept": round(result.gold_accept, 4), "wrong_reject": round(result.wrong_reject, 4),
-                      "n": result.n}), flush=True)
+    print(json.dumps(result.summary()), flush=True)

@@ -6,9 +6,11 @@ RaaS workers and the evaluation. Every component command (``astraflow run``,
 ``acquire``, ``raas``, ``policy``, ``trainer``) reads the same file.
 
 The sections a package's components need live in that package (:mod:`producers.config`, :mod:`policies.config`,
-:mod:`trainer.config`); this module composes them into :class:`RunConfig`, validates the whole file once, and cuts
-each component its own section (:meth:`RunConfig.raas_section`, :meth:`RunConfig.acquisition_section`,
-:meth:`RunConfig.controller_section`, :meth:`RunConfig.replay_section`).
+:mod:`trainer.config`, :mod:`consumers.config`); this module composes them into :class:`RunConfig`, validates the
+whole file once, and cuts each component its own section (:meth:`RunConfig.raas_section`,
+:meth:`RunConfig.filter_section`, :meth:`RunConfig.acquisition_section`, :meth:`RunConfig.controller_section`,
+:meth:`RunConfig.metrics_section`, :meth:`RunConfig.replay_section`, :meth:`RunConfig.trainer_section`,
+:meth:`RunConfig.eval_section`).
 """
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from policies.config import AcceptAllConfig, CuratorSpec, FilterSpec, ServingSpec
+from consumers.config import EvalSection
+from policies.config import (AcceptAllConfig, CuratorSpec, FilterProcessorConfig, FilterSection, FilterSpec,
+                             ServingSpec)
 from producers.config import (AcquisitionSection, DataConfig, RaasConfig, RaasSection, RolloutPolicyConfig, RunAddress,
                               SamplingConfig, ToolsConfig, WorkflowConfig)
 from topics.kafka_security import KafkaSecurity
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, TrainerSection
 
 
 class ConfigError(ValueError):
@@ -31,22 +35,6 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class FilterProcessorConfig(_Strict):
-    """A policy's filter processors (``policies/processor.py``): how many, and their transaction shape."""
-
-    instances: int = Field(default=1, ge=1, description="processors in consumer group filter.<policy>; instance i "
-                           "has transactional.id <run>.filter.<policy>.<i> and they share trajectories' partitions")
-    max_records: int = Field(default=200, ge=1, description="records per poll batch (= per transaction)")
-    linger_s: float = Field(default=0.1, ge=0, description="seconds to keep collecting after the first record")
-    metrics_interval_s: float = Field(default=5.0, gt=0, description="seconds between metrics records")
-    session_timeout_s: float = Field(default=10.0, gt=0, description="seconds before a killed processor's "
-                                     "partitions move to the others")
-    step_deadline_s: float = Field(default=200.0, gt=0, description="seconds one batch (poll, filters, sends, "
-                                   "commit; its bounded calls add up to ~150 s) may take before the processor writes "
-                                   "its stacks to its log and exits to be restarted; astraflow run also kills a "
-                                   "processor that leaves records waiting at unmoved committed offsets for 40 s more")
 
 
 class PolicyConfig(RolloutPolicyConfig):
@@ -228,6 +216,17 @@ class ReplaySection(RunAddress):
     max_staleness: int = Field(ge=0, description="the staleness bound when re-served")
 
 
+class MetricsSection(RunAddress):
+    """What the readers of the run's ``metrics`` take: ``astraflow status`` (:func:`astraflow.monitor.observe_run`),
+    the exporter (:func:`astraflow.exporter.main`) and the tracker (:func:`astraflow.tracker.main`)."""
+
+    run_dir: Path = Field(description="the run's directory (the launcher's components.json, W&B's offline runs)")
+    policies: list[str] = Field(min_length=1, description="the run's policies")
+    workflow: str = Field(description="the workflow whose RaaS workers' group is shown")
+    exporter: ExporterConfig = Field(description="the Prometheus exporter's settings")
+    tracking: TrackingConfig = Field(description="the tracker's sinks")
+
+
 class RunConfig(_Strict):
     """A whole run. ``bus`` and ``store`` default to the embedded bus and a local store in ``run_dir``."""
 
@@ -296,6 +295,16 @@ class RunConfig(_Strict):
                                  "biased; leave it unset to follow sampling.temperature")
         return self
 
+    def filter_section(self, policy: str) -> FilterSection:
+        """What ``policy``'s filter processors take of this config.
+
+        Raises:
+            KeyError: ``policy`` is not in ``policies``.
+        """
+        pc = self.policies[policy]
+        return FilterSection(run=self.run, bus=self.bus, kafka=self.kafka, policy=policy, filters=pc.filters,
+                             processor=pc.filter_processor)
+
     def raas_section(self) -> RaasSection:
         """What a RaaS worker takes of this config."""
         return RaasSection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store,
@@ -316,6 +325,12 @@ class RunConfig(_Strict):
         return ControllerSection(run=self.run, workflow=self.workflow.name, policies=list(self.policies),
                                  workers=self.raas.workers, controller=self.controller)
 
+    def metrics_section(self) -> MetricsSection:
+        """What the readers of the run's metrics take of this config."""
+        return MetricsSection(run=self.run, bus=self.bus, kafka=self.kafka, run_dir=self.run_dir,
+                              policies=list(self.policies), workflow=self.workflow.name, exporter=self.exporter,
+                              tracking=self.tracking)
+
     def replay_section(self, policy: str) -> ReplaySection:
         """What a replay of ``policy`` takes of this config.
 
@@ -326,6 +341,34 @@ class RunConfig(_Strict):
         return ReplaySection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store, policy=policy,
                              model=pc.model, trainer=self.trainer_config(policy), steps=pc.steps,
                              batch_groups=pc.batch_groups, max_staleness=pc.max_staleness)
+
+    def trainer_section(self, policy: str) -> TrainerSection:
+        """What ``policy``'s trainer process takes of this config: its own directory ``<run_dir>/trainer.<policy>``,
+        and with ``coupling: barrier`` among several policies, the others' steps as its barrier peers.
+
+        Raises:
+            KeyError: ``policy`` is not in ``policies``.
+        """
+        pc = self.policies[policy]
+        peers = ({q: c.steps for q, c in self.policies.items() if q != policy}
+                 if self.coupling == "barrier" and len(self.policies) > 1 else None)
+        return TrainerSection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store, policy=policy,
+                              model=pc.model, run_dir=self.run_dir / f"trainer.{policy}",
+                              trainer=self.trainer_config(policy), steps=pc.steps, batch_groups=pc.batch_groups,
+                              max_staleness=pc.max_staleness, checkpoint_every=pc.checkpoint_every,
+                              keep_versions=pc.keep_versions, serving=pc.serving, barrier_peers=peers)
+
+    def eval_section(self, policy: str) -> EvalSection:
+        """What an evaluation of ``policy`` takes of this config (``eval``, ``sampling.max_new_tokens``).
+
+        Raises:
+            KeyError: ``policy`` is not in ``policies``.
+        """
+        pc = self.policies[policy]
+        return EvalSection(run=self.run, bus=self.bus, kafka=self.kafka, store=self.store, run_dir=self.run_dir,
+                           seed=self.seed, policy=policy, engine=pc.rollout_part(), param_dtype=pc.trainer.param_dtype,
+                           benchmarks=self.eval.benchmarks, k=self.eval.k, temperature=self.eval.temperature,
+                           limit=self.eval.limit, max_new_tokens=self.sampling.max_new_tokens)
 
     def trainer_config(self, policy: str) -> TrainerConfig:
         """Policy ``policy``'s trainer config as its trainer uses it: named ``policy``, dividing logits by

@@ -19,14 +19,19 @@ nothing is registered per figure, so a new figure needs no code here). Figures:
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from astraflow.monitor import RunMonitor
-from topics.bus import Bus
+from topics.bus import Bus, connect
+from topics.names import TopicNames
+
+if TYPE_CHECKING:
+    from astraflow.config import MetricsSection
 
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -139,3 +144,34 @@ class MetricsExporter:
     def close(self) -> None:
         """Leave the consumer group."""
         self.monitor.close()
+
+
+#: the exporter's port when ``exporter.port`` is unset
+DEFAULT_PORT = 9400
+
+
+class CannotServe(OSError):
+    """The exporter's address cannot be bound; the message names it and why."""
+
+
+def main(section: MetricsSection, stop: threading.Event) -> None:
+    """Serve the run's metrics on ``exporter.host``:``exporter.port`` (default :data:`DEFAULT_PORT`) until ``stop``
+    is set (``astraflow exporter``).
+
+    Raises:
+        CannotServe: the address cannot be bound.
+    """
+    exp = MetricsExporter(connect(section.bus, section.kafka), TopicNames(section.run), section.policies,
+                          section.workflow, run_dir=section.run_dir, lag_every_s=section.exporter.lag_every_s)
+    host = section.exporter.host
+    port = section.exporter.port if section.exporter.port is not None else DEFAULT_PORT
+    try:
+        try:
+            port = exp.serve(port, host)
+        except OSError as e:
+            raise CannotServe(f"exporter.port={port} on {host}: cannot serve: {e}") from e
+        logging.getLogger("astraflow").info("exporter: serving http://%s:%d/metrics", host, port)
+        while not stop.is_set():
+            exp.poll(0.5)
+    finally:
+        exp.close()

@@ -1,12 +1,18 @@
 """What a component started by ``astraflow run`` shares with its launcher: its name, the exit status that stops
-its restarts, and the watch on the launcher's life. Components import this module, never the launcher."""
+its restarts, the watch on the launcher's life, and a component process's setup. Components import this module,
+never the launcher."""
 from __future__ import annotations
 
+import faulthandler
+import gc
+import logging
 import os
+import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 #: a component's exit status when its input is bad and a restart would meet it again (acquisition with data.strict)
 EXIT_BAD_INPUT = 3
@@ -55,3 +61,43 @@ def watch_launcher(name: str, stop: threading.Event, poll_s: float = 1.0) -> thr
     thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     thread.start()
     return thread
+
+
+def stop_on_signals() -> threading.Event:
+    """A stop event that SIGTERM and SIGINT set (from now on, in place of their handlers)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def component_setup(name: str, create_topics: Callable[[], None]) -> threading.Event:
+    """Set up component process ``name``: pin it to the CPUs the launcher placed it on
+    (:func:`astraflow.placement.apply_placement`, before anything starts a thread); on SIGUSR1 write every thread's
+    stack to the log (:func:`faulthandler.register`); log at INFO under its name; call ``create_topics`` (the run's
+    topics, created if missing, so components can start in any order on any machine); and watch the launcher
+    (:func:`watch_launcher`).
+
+    Args:
+        name: the component's name, in every log line.
+        create_topics: creates the run's topics; what it raises propagates.
+
+    Returns:
+        the stop event, set by SIGTERM / SIGINT and, in a component that ``astraflow run`` started, when the
+        launcher dies.
+    """
+    from astraflow.placement import apply_placement
+
+    placed = apply_placement()  # before anything starts a thread
+    # SIGUSR1 writes every thread's stack to the log (the process's own stderr, not a replaced sys.stderr): the
+    # launcher sends it before killing a wedged component
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    stop = stop_on_signals()  # before anything that takes time: a SIGTERM during start-up stops cleanly too
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
+    logging.getLogger("astraflow").info("%s on %s", name, placed)
+    create_topics()
+    watch_launcher(name, stop)
+    # Everything imported so far (torch, transformers: ~10^6 objects) lives as long as the process: out of the
+    # collector's sight, its full collections and the one at exit skip it (1 s of CPU less per exit, measured)
+    gc.freeze()
+    return stop

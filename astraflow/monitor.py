@@ -9,15 +9,19 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rich.console import Group
 from rich.table import Table
 
-from topics.bus import Bus, BusError, TopicPartition, offsets_after
+from topics.bus import Bus, BusError, TopicPartition, connect, offsets_after
 from topics.codec import MessageError, decode
 from topics.layout import RunTopics
 from topics.names import TopicNames
 from topics.schemas import DeadLetter, Metric
+
+if TYPE_CHECKING:
+    from astraflow.config import MetricsSection
 
 #: seconds without a metric after which a RaaS worker (it reports every 2 s) is shown as silent: dead or stopped, while
 #: its group may still hold its partitions for ``raas.session_timeout_s``
@@ -233,6 +237,10 @@ class RunMonitor:
                          if k in ("episodes_inflight", "prompts_inflight") or k.startswith(("tool.", "engine_batch."))}}
         return out
 
+    def seen(self) -> bool:
+        """Whether the run has shown itself: a metric read, or a consumer group with a lag."""
+        return bool(self.records) or any(n is not None for n in self.lags().values())
+
     def snapshot(self) -> dict:
         """The monitor's figures as plain data (``astraflow status --json``)."""
         return {
@@ -249,6 +257,18 @@ class RunMonitor:
             "dead_letters": self.dead_letters,
             "last_dead_letter": self.last_dead_letter,
         }
+
+    def show_live(self) -> None:
+        """Show :meth:`table` in the terminal, reading on and refreshing it every second, until Ctrl-C."""
+        from rich.live import Live
+
+        try:
+            with Live(self.table(), refresh_per_second=1) as live:
+                while True:
+                    self.poll(1.0)
+                    live.update(self.table())
+        except KeyboardInterrupt:
+            pass
 
     def table(self, title: str = "") -> Group:
         """Rich tables: per policy step, version, reward, KL, throughput, staleness; then lag per group; then
@@ -323,3 +343,17 @@ class RunMonitor:
         """Leave the consumer group without committing."""
         self.consumer.close()
 
+
+def observe_run(section: MetricsSection, seconds: float) -> RunMonitor:
+    """A :class:`RunMonitor` of ``section``'s run (``astraflow status``) that has read its metrics for ``seconds``;
+    the caller closes it.
+
+    Raises:
+        topics.bus.BusError: the bus cannot be used.
+    """
+    monitor = RunMonitor(connect(section.bus, section.kafka), TopicNames(section.run), section.policies,
+                         section.workflow)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        monitor.poll(0.5)
+    return monitor

@@ -25,10 +25,13 @@ Two modes:
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
+
+import torch
 
 from topics.bus import Bus, BusError, TopicPartition, connect
 from topics.follow import Follower
@@ -283,7 +286,7 @@ def replay_reserve(bus: Bus, names: TopicNames, config: TrainerConfig, model_dir
         producer.close()
 
 
-def replay_run(cfg: ReplaySection, *, publish_as: str | None = None,
+def replay_run(cfg: ReplaySection, *, publish_as: str | None = None, threads: int | None = None,
                on_version: OnVersion | None = None) -> ReplayResult:
     """Replay the policy ``cfg`` names and check each version against the original's sha256.
 
@@ -294,16 +297,21 @@ def replay_run(cfg: ReplaySection, *, publish_as: str | None = None,
             name, the policy's model and trainer).
         publish_as: also publish every replayed version as run ``publish_as`` (its own ``weights``
             topic and store prefix), or None.
+        threads: torch's CPU threads (None: ``$OMP_NUM_THREADS``, else 1, as ``astraflow run`` gives its trainers).
         on_version: called as ``on_version(version, sha256)`` after each step.
 
     Raises:
-        ValueError: ``publish_as`` is the original run's name or not a valid run name.
+        ValueError: ``threads`` is below 1; ``publish_as`` is the original run's name or not a valid run name.
         ReplayError: recorded groups are missing from the topic, or the recorded versions have gaps.
         topics.bus.BusError: the bus failed.
     """
     from weights.models import resolve_model
     from weights.publisher import Publisher
 
+    threads = threads if threads is not None else int(os.environ.get("OMP_NUM_THREADS") or 1)
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
     policy = cfg.policy
     if publish_as == cfg.run:
         raise ValueError(f"--publish-as {publish_as!r} is the original run: give a new run name")

@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING
 
 from astraflow.monitor import RunMonitor
 from topics.atomic_write import atomic_write
-from topics.bus import Bus, BusError, FatalBusError
+from topics.bus import Bus, BusError, FatalBusError, connect
 from topics.names import TopicNames
 from topics.schemas import Metric
 
 if TYPE_CHECKING:
-    from astraflow.config import TrackingConfig
+    from astraflow.config import MetricsSection, TrackingConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,25 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _serial = itertools.count()
 
 
+class TrackingRefused(ValueError):
+    """The tracking section cannot be used: it sets no sink, or its TensorBoard directory cannot be made; the
+    message says which."""
+
+
 class TrackingUnavailable(ImportError):
     """A tracking sink is configured, and the package it needs is not installed here."""
+
+
+def require_sinks(tracking: "TrackingConfig") -> None:
+    """Check that a sink is configured and that its packages import (:func:`require_packages`).
+
+    Raises:
+        TrackingRefused: no sink is configured.
+        TrackingUnavailable: as :func:`require_packages`.
+    """
+    if not tracking.enabled:
+        raise TrackingRefused("nothing to track: set tracking.tensorboard_dir or tracking.wandb_project")
+    require_packages(tracking)
 
 
 def require_packages(tracking: "TrackingConfig") -> None:
@@ -272,3 +289,19 @@ class MetricsTracker:
                             "(an offline run is under %s/wandb for `wandb sync`)", WANDB_FINISH_S, self.run_dir)
             self._wandb = None
         self.monitor.close()
+
+
+def main(section: MetricsSection, stop: threading.Event) -> None:
+    """Write the run's metrics to the configured sinks until ``stop`` is set (``astraflow tracker``).
+
+    Raises:
+        TrackingRefused: ``tracking.tensorboard_dir`` cannot be made.
+        ValueError, TrackingUnavailable: as :class:`MetricsTracker`.
+        OSError, topics.bus.FatalBusError: as :meth:`MetricsTracker.run`.
+    """
+    try:
+        tracking = MetricsTracker(connect(section.bus, section.kafka), TopicNames(section.run), section.policies,
+                                  section.workflow, section.tracking, section.run_dir)
+    except OSError as e:
+        raise TrackingRefused(f"tracking.tensorboard_dir={section.tracking.tensorboard_dir}: cannot write there: {e}") from e
+    tracking.run(stop)

@@ -3,6 +3,7 @@ every worker of the run's workflow or for one, written to the run's ``control`` 
 command is kept: a worker started or restarted later obeys it too."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from astraflow.config import RunConfig
@@ -13,6 +14,27 @@ from topics.names import TopicNames
 from topics.schemas import Control
 
 ACTIONS = ("pause", "resume", "throttle")
+#: what a RaaS worker's --worker-id may be (it names the worker raas-<id>)
+WORKER_ID = r"[A-Za-z0-9._-]{1,64}"
+
+
+class CommandRefused(ValueError):
+    """A command the options cannot make; the message names the option and what it takes."""
+
+
+def check_options(action: str, worker: str | None, per_minute: int | None) -> None:
+    """Check ``astraflow control``'s options before anything is read: ``action`` one of :data:`ACTIONS`,
+    ``per_minute`` only for a throttle, ``worker`` (None: every worker) a :data:`WORKER_ID`.
+
+    Raises:
+        CommandRefused: the first option that is wrong.
+    """
+    if action not in ACTIONS:
+        raise CommandRefused(f"action {action!r}: one of {', '.join(ACTIONS)}")
+    if per_minute is not None and action != "throttle":
+        raise CommandRefused(f"--per-minute is for throttle, not {action}")
+    if worker is not None and not re.fullmatch(WORKER_ID, worker):
+        raise CommandRefused(f"--worker {worker!r}: a worker's --worker-id, 1-64 letters, digits, '.', '_' or '-'")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The typed configs of the data policies a run config names: its ``filters``, ``serving`` and ``curators`` lists.
+"""The typed configs of the data policies a run config names: its ``filters``, ``serving`` and ``curators`` lists;
+and the section of a policy's filter processors (:class:`FilterSection`).
 
 Each entry is one of the built-in policies' configs, picked by its ``name`` (a discriminated union: a misspelled
 parameter is refused with its name when the run config is read), or ``{name: "package.module:Class", ...}``, a
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from policies.registry import build_policy, resolve_policy
+from topics.kafka_security import KafkaSecurity
 
 
 class BuiltinPolicyConfig(BaseModel, extra="forbid"):
@@ -157,3 +159,30 @@ def policy_spec(entry: dict[str, Any]) -> PolicySpec:
             a value of the wrong type.
     """
     return _ANY_SPEC.validate_python(entry)
+
+
+class FilterProcessorConfig(BaseModel, extra="forbid"):
+    """A policy's filter processors (``policies/processor.py``): how many, and their transaction shape."""
+
+    instances: int = Field(default=1, ge=1, description="processors in consumer group filter.<policy>; instance i "
+                           "has transactional.id <run>.filter.<policy>.<i> and they share trajectories' partitions")
+    max_records: int = Field(default=200, ge=1, description="records per poll batch (= per transaction)")
+    linger_s: float = Field(default=0.1, ge=0, description="seconds to keep collecting after the first record")
+    metrics_interval_s: float = Field(default=5.0, gt=0, description="seconds between metrics records")
+    session_timeout_s: float = Field(default=10.0, gt=0, description="seconds before a killed processor's "
+                                     "partitions move to the others")
+    step_deadline_s: float = Field(default=200.0, gt=0, description="seconds one batch (poll, filters, sends, "
+                                   "commit; its bounded calls add up to ~150 s) may take before the processor writes "
+                                   "its stacks to its log and exits to be restarted; astraflow run also kills a "
+                                   "processor that leaves records waiting at unmoved committed offsets for 40 s more")
+
+
+class FilterSection(BaseModel, extra="forbid"):
+    """What a policy's filter processor takes (:func:`policies.processor.main`)."""
+
+    run: str = Field(pattern=r"^[A-Za-z0-9._-]+$", description="the run name every topic and group is prefixed with")
+    bus: str = Field(description="kafka://host:port or local://PATH")
+    kafka: KafkaSecurity = Field(default_factory=KafkaSecurity, description="SASL and TLS of a kafka:// bus")
+    policy: str = Field(description="the policy whose filter chain runs")
+    filters: list[FilterSpec] = Field(description="the filter chain, in order")
+    processor: FilterProcessorConfig = Field(description="the processors' count and transaction shape")

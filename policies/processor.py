@@ -33,7 +33,9 @@ from collections import Counter
 from typing import Iterable, Sequence
 
 from policies.base import KEEP, Curator, Decision, Filter
-from topics.bus import Bus, BusError, TopicPartition, offsets_after, read_topic
+from policies.config import FilterSection
+from policies.registry import build_chain
+from topics.bus import Bus, BusError, TopicPartition, connect, offsets_after, read_topic
 from topics.codec import MessageError, decode, encode, headers_for
 from topics.deadletter import ValidatingConsumer
 from topics.follow import Follower
@@ -391,3 +393,16 @@ class CuratorGate:
             self.outcomes.close()
             self.weights.close()
             self.producer.close()
+
+
+def main(section: FilterSection, instance: int, stop: threading.Event) -> None:
+    """Run filter processor ``instance`` of ``section``'s policy until ``stop`` is set (``astraflow policy``).
+
+    Raises:
+        policies.base.PolicyConfigError: a filter of the chain cannot be built.
+    """
+    fp = section.processor
+    FilterProcessor(connect(section.bus, section.kafka), section.run, section.policy,
+                    build_chain(section.filters, Filter), instance=str(instance), max_records=fp.max_records,
+                    linger_s=fp.linger_s, metrics_interval_s=fp.metrics_interval_s,
+                    session_timeout_s=fp.session_timeout_s, step_deadline_s=fp.step_deadline_s).run(stop)

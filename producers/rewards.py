@@ -401,6 +401,10 @@ class RewardCheck:
     n: int
     disagreements: list[tuple[Prompt, str, str, float]]
 
+    def summary(self) -> dict[str, float | int]:
+        """``{"gold_accept", "wrong_reject", "n"}``, the rates rounded to 4 places."""
+        return {"gold_accept": round(self.gold_accept, 4), "wrong_reject": round(self.wrong_reject, 4), "n": self.n}
+
 
 def check_rewards(prompts: Sequence[Prompt], timeout_s: float = DEFAULT_TIMEOUT_S,
                   on_done: Callable[[], None] | None = None) -> RewardCheck:

@@ -436,6 +436,17 @@ class PromptSource:
     def __iter__(self) -> Iterator[Prompt]:
         return (self[i] for i in range(len(self)))
 
+    def head(self, limit: int = 0) -> tuple[list[Prompt], list[str]]:
+        """The first ``limit`` records (0: all) as Prompts, and why each of them that cannot be one cannot
+        (:meth:`__getitem__`'s ``"<where>: <reason>"``), in order."""
+        prompts, errors = [], []
+        for i in range(min(limit, len(self)) if limit > 0 else len(self)):
+            try:
+                prompts.append(self[i])
+            except SourceError as e:
+                errors.append(str(e))
+        return prompts, errors
+
     def get(self, index: int) -> Prompt | None:
         """Record ``index`` as a Prompt, or None when ``self[index]`` raises :class:`SourceError`
         (some datasets have a few bad records, e.g. DeepScaleR-math has a null answer).

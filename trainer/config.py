@@ -1,9 +1,13 @@
-"""The trainer's configuration: one validated pydantic model."""
+"""The trainer's configuration: one validated pydantic model, and the section a trainer process takes."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from policies.config import ServingSpec
+from topics.kafka_security import KafkaSecurity
 
 #: How per-token losses are reduced to one number (see :func:`trainer.losses.aggregate`).
 AggMode = Literal["token-mean", "seq-mean", "seq-sum-norm"]
@@ -86,3 +90,26 @@ class TrainerConfig(BaseModel):
                 raise ValueError(f"{', '.join(unused)} configure the deepspeed backend, but backend is "
                                  f"{self.backend!r}: set backend: deepspeed, or remove them")
         return self
+
+
+class TrainerSection(BaseModel):
+    """What one policy's trainer process takes (:func:`trainer.main.main`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: str = Field(pattern=r"^[A-Za-z0-9._-]+$", description="the run name every topic and group is prefixed with")
+    bus: str = Field(description="kafka://host:port or local://PATH")
+    kafka: KafkaSecurity = Field(default_factory=KafkaSecurity, description="SASL and TLS of a kafka:// bus")
+    store: str = Field(description="the run's weight store, file:///abs/dir or s3://bucket/prefix")
+    policy: str = Field(description="the policy trained")
+    model: str = Field(description="its model, as the config names it")
+    run_dir: Path = Field(description="the trainer's own directory (checkpoints, metrics.jsonl)")
+    trainer: TrainerConfig = Field(description="its trainer config (RunConfig.trainer_config)")
+    steps: int = Field(ge=1, description="training steps on the lineage of the final weights")
+    batch_groups: int = Field(ge=1, description="groups per training step")
+    max_staleness: int = Field(ge=0, description="versions; older samples are dropped")
+    checkpoint_every: int = Field(ge=1, description="steps between checkpoints")
+    keep_versions: int | None = Field(ge=1, description="weight versions kept in the store; None keeps all")
+    serving: list[ServingSpec] = Field(description="at most one serving policy (policies/config.py)")
+    barrier_peers: dict[str, int] | None = Field(description="lockstep coupling: each other policy and its steps; "
+                                                 "None: independent")

@@ -65,3 +65,21 @@ def preflight(cfg: RunConfig) -> None:
             build_actuator(cfg.controller)
         except ActuatorError as e:
             raise ValueError(str(e)) from None
+
+
+class ConfigRefused(ValueError):
+    """A run config :func:`preflight` refuses; the message is the reason."""
+
+
+def check_run_config(cfg: RunConfig) -> None:
+    """:func:`preflight`, what it refuses raised as one exception.
+
+    Raises:
+        ConfigRefused: the reason :func:`preflight` gave (a KeyError's message, not its repr).
+    """
+    from astraflow.tracker import TrackingUnavailable
+
+    try:
+        preflight(cfg)
+    except (KeyError, ValueError, TypeError, FileNotFoundError, TrackingUnavailable) as e:
+        raise ConfigRefused(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from e
