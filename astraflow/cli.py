@@ -34,15 +34,17 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     written to the run directory. Exits 1 when the run did not complete, 2 when its config is refused."""
     from astraflow.launcher.preflight import ConfigRefused, check_run_config
     from astraflow.launcher.run import Launcher
+    from astraflow.launcher.run_dir_lock import hold_run_dir
     from topics.bus import BusError
 
     cfg = load(config, overrides)
     try:
         check_run_config(cfg)
+        bus_admin(cfg)  # after the checks above, so a refused config leaves nothing behind (a local bus is a folder)
+        hold_run_dir(cfg.run_dir)  # one launcher per run_dir: held until this process ends
     except ConfigRefused as e:
         typer.echo(f"invalid run config {config}: {e}", err=True)
         raise typer.Exit(2)
-    bus_admin(cfg)  # after the checks above, so a refused config leaves nothing behind (a local bus is a folder)
     try:
         summary = Launcher(cfg, config.absolute(), list(overrides or [])).run()
     except (RuntimeError, BusError) as e:

@@ -38,7 +38,8 @@ class TrainerConfig(BaseModel):
         "MixedPrecisionPolicy; DeepSpeed: its bf16 mode). bfloat16: the bf16-only optimizer, asked for by name: "
         "AdamW updates bf16 weights in place, and every update under half a bf16 ulp (0.2-0.4% of the weight) "
         "rounds away, so at lr 1e-6 almost no weight moves")
-    device: str = Field(default="auto", description="auto, cpu, cuda, cuda:N")
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto (CUDA when torch "
+                        "sees it, else the CPU), cpu, cuda, cuda:N")
     backend: Literal["torch", "deepspeed"] = Field(default="torch", description="deepspeed: ZeRO, via its launcher")
     ranks: int = Field(default=1, ge=1, description="processes training this policy together (FSDP2, under "
                        "torchrun; gloo on CPU, nccl on CUDA); 1: one plain process")

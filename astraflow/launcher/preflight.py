@@ -15,7 +15,8 @@ def preflight(cfg: RunConfig) -> None:
         KeyError, ValueError, TypeError: an unknown workflow, role, option or filter (the message lists the known ones);
             a placement on CPUs this machine lacks (:class:`~astraflow.config.ConfigError`, a ValueError); a
             controller's compose file that does not exist, or no Kubernetes credentials for it.
-        ValueError: a weight store URI that is not file:///abs/dir or s3://bucket/prefix.
+        ValueError: a weight store URI that is not file:///abs/dir or s3://bucket/prefix; a trainer on CUDA where
+            torch sees none.
         producers.sources.SourceError: a data source that is neither built in nor a readable dataset.
         FileNotFoundError: a model directory that does not exist.
         astraflow.tracker.TrackingUnavailable: a tracking sink is set and its package is not installed.
@@ -49,6 +50,12 @@ def preflight(cfg: RunConfig) -> None:
                 raise PolicyConfigError(e.policy, f"{e.reason} (policies.{name}.{field})", e.param) from None
         if pc.model not in BUILT_MODELS:
             resolve_model(pc.model)
+        if pc.trainer.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"policies.{name}.trainer.device is {pc.trainer.device!r}, and torch sees no CUDA "
+                                 "device here (use auto or cpu)")
     search = cfg.tools.search
     if search is not None and search.url is None:  # the corpus the launched search server indexes
         from producers.search_server import DEFAULT_CORPUS, load_corpus

@@ -30,6 +30,8 @@ from astraflow.launched import EXIT_BAD_INPUT
     ("data.sources=[{name: nosuchdataset}]", "unknown prompt source 'nosuchdataset': neither a built-in"),
     ("bus=kafka://127.0.0.1:1", "cannot use bus kafka://127.0.0.1:1: cannot reach Kafka at 127.0.0.1:1"),
     ("store=ftp://x", "store: weight store URI 'ftp://x' must be file:///abs/dir or s3://bucket/prefix"),
+    ("policies.actor.trainer.device=garbage", "policies.actor.trainer.device: String should match pattern"),
+    ("policies.actor.trainer.device=cuda", "policies.actor.trainer.device is 'cuda', and torch sees no CUDA device"),
     ("store=file://relative/dir", "store: weight store URI 'file://relative/dir': a file:// path must be absolute"),
     # two files both named train.*, or one source twice: the same prompt ids, one's records dropped as duplicates
     ("data.sources=[{name: arith}, {name: arith, limit: 5}]",
@@ -154,3 +156,25 @@ def test_acquire_with_strict_data_exits_non_zero_at_the_first_bad_record(tmp_pat
     assert lenient.returncode == 0, lenient.stderr
     assert f"rejected {data}:2: not JSON" in lenient.stderr
     assert "source p: 2 prompts sent, 1 bad records rejected to arith-tiny.deadletter (in all)" in lenient.stderr
+
+
+def test_a_second_run_on_a_run_dir_in_use_is_refused_naming_the_launcher(tmp_path):
+    """Two launchers on one run_dir would start two sets of components that fence each other's trainers and
+    publish into one store: while a process holds the run directory, `astraflow run` there exits 2 at once."""
+    from astraflow.launcher.run_dir_lock import hold_run_dir
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from astraflow.launcher.run_dir_lock import hold_run_dir; "
+                               "hold_run_dir(Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
+                               str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = CliRunner().invoke(app, ["run", "examples/arith-tiny.yaml", f"run_dir={tmp_path}",
+                                          f"bus=local://{tmp_path / 'bus'}"])
+        assert result.exit_code == 2
+        assert f"is in use by another `astraflow run` (pid {holder.pid})" in " ".join(result.output.split())
+        assert not (tmp_path / "logs").exists()  # nothing was started
+    finally:
+        holder.kill()
+        holder.wait()
+    hold_run_dir(tmp_path)  # a killed holder's lock is gone with it
