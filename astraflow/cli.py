@@ -247,7 +247,7 @@ def tracker(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -
 
 @app.command("search-server")
 def search_server(
-    port: int = typer.Option(0, "--port", help="the port; 0: a free one"),
+    port: int = typer.Option(0, "--port", min=0, max=65535, help="the port; 0: a free one"),
     host: str = typer.Option("127.0.0.1", "--host", help="the address to bind"),
     corpus: Optional[Path] = typer.Option(None, "--corpus", help="JSONL corpus, {doc_id, text} a line "
                                                                  "(default: producers/data/search_kb.jsonl)"),
@@ -311,7 +311,7 @@ def replay(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     try:
         result = replay_run(cfg.replay_section(policy), publish_as=publish_as, threads=threads,
                             on_version=lambda v, sha: err(f"replayed {policy} v{v}: sha256 {sha[:16]}"))
-    except ValueError as e:  # a bad --threads or --publish-as
+    except ValueError as e:  # a bad --threads or --publish-as, no such run
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
     except ReplayError as e:

@@ -301,7 +301,8 @@ def replay_run(cfg: ReplaySection, *, publish_as: str | None = None, threads: in
         on_version: called as ``on_version(version, sha256)`` after each step.
 
     Raises:
-        ValueError: ``threads`` is below 1; ``publish_as`` is the original run's name or not a valid run name.
+        ValueError: ``threads`` is below 1; ``publish_as`` is the original run's name or not a valid run name; the
+            bus has no ``samples`` topic of this run and policy (no such run: a mistyped run name or bus).
         ReplayError: recorded groups are missing from the topic, or the recorded versions have gaps.
         topics.bus.BusError: the bus failed.
     """
@@ -316,6 +317,9 @@ def replay_run(cfg: ReplaySection, *, publish_as: str | None = None, threads: in
     if publish_as == cfg.run:
         raise ValueError(f"--publish-as {publish_as!r} is the original run: give a new run name")
     bus, names, group = connect(cfg.bus, cfg.kafka), TopicNames(cfg.run), replay_group(policy)
+    if names.samples(policy) not in bus.admin().list_topics():
+        raise ValueError(f"no run {cfg.run!r} with policy {policy!r} on bus {cfg.bus}: it has no topic "
+                         f"{names.samples(policy)} (a mistyped run name or bus?)")
     publisher = None
     if publish_as is not None:
         new_names = TopicNames(publish_as)

@@ -39,7 +39,8 @@ class DataConfig(_Strict):
     """
 
     sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(name="arith")], min_length=1)
-    n_samples: int = Field(default=8, ge=1, description="G: samples per prompt")
+    n_samples: int = Field(default=8, ge=2, description="G: samples per prompt, at least 2 (GRPO's advantage is a "
+                           "reward minus its group's mean: a group of one never learns)")
     epochs: int = Field(default=1, ge=1)
     shuffle_seed: int = 0
     max_outstanding: int = Field(default=256, ge=1, description="prompts written but not yet taken by RaaS")

@@ -30,6 +30,7 @@ from astraflow.launched import EXIT_BAD_INPUT
     ("data.sources=[{name: nosuchdataset}]", "unknown prompt source 'nosuchdataset': neither a built-in"),
     ("bus=kafka://127.0.0.1:1", "cannot use bus kafka://127.0.0.1:1: cannot reach Kafka at 127.0.0.1:1"),
     ("store=ftp://x", "store: weight store URI 'ftp://x' must be file:///abs/dir or s3://bucket/prefix"),
+    ("data.n_samples=1", "data.n_samples: Input should be greater than or equal to 2"),
     ("policies.actor.trainer.device=garbage", "policies.actor.trainer.device: String should match pattern"),
     ("policies.actor.trainer.device=cuda", "policies.actor.trainer.device is 'cuda', and torch sees no CUDA device"),
     ("store=file://relative/dir", "store: weight store URI 'file://relative/dir': a file:// path must be absolute"),

@@ -111,3 +111,14 @@ def test_replay_reproduces_every_version_bit_for_bit(tmp_path, bus_url):
     assert sorted(published) == [1, 2, 3, 4, 5, 6] and len(original) == s["matched"]
     assert all(published[v] == sha for v, sha in original.items())
     assert sorted(WeightStore(store, copy).versions("actor")) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_replay_of_a_run_that_is_not_there_says_so_and_exits_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from astraflow.cli import app
+
+    result = CliRunner().invoke(app, ["replay", "examples/arith-tiny.yaml", "run=nosuchrun", f"run_dir={tmp_path}",
+                                      "--policy", "actor"])
+    assert result.exit_code == 2, result.output
+    assert "no run 'nosuchrun' with policy 'actor'" in " ".join(result.output.split())
