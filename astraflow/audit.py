@@ -16,8 +16,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from topics.bus import Bus, read_topic
-from topics.codec import decode
+from topics.bus import Bus, Record, read_topic
+from topics.codec import MessageError, decode
 from topics.names import TopicNames
 from topics.schemas import Prompt, TrajectoryGroup
 from trainer.service import trained_batches
@@ -50,6 +50,21 @@ class RunAudit:
     trained_twice: list[str]
 
 
+def _decoded(records: list[Record], kind: type, committed: dict[int, int | None] | None = None) -> list:
+    """The records' messages of ``kind``, only those below ``committed`` (per partition) when given; a record that
+    does not decode is left out, as the run's components dead-lettered it (a bad record is no prompt to account
+    for)."""
+    out = []
+    for r in records:
+        if committed is not None and r.offset >= (committed.get(r.partition) or 0):
+            continue
+        try:
+            out.append(decode(r.value, kind, topic=r.topic, partition=r.partition, offset=r.offset))
+        except MessageError:
+            continue
+    return out
+
+
 def audit_run(bus: Bus, names: TopicNames, policy: str, workflow: str) -> RunAudit:
     """Audit ``policy`` of the run ``names.run`` (its RaaS group is ``raas.<workflow>``).
 
@@ -59,9 +74,8 @@ def audit_run(bus: Bus, names: TopicNames, policy: str, workflow: str) -> RunAud
     batches = trained_batches(bus, names, policy)
     counts = Counter(gid for b in batches for gid in b.group_ids)
     committed = bus.admin().group_offsets(names.raas_group(workflow), names.prompts)
-    done = {decode(r.value, Prompt).prompt_id for r in read_topic(bus, names.prompts)
-            if r.offset < (committed.get(r.partition) or 0)}
-    grouped = {decode(r.value, TrajectoryGroup).prompt_id for r in read_topic(bus, names.trajectories(policy))}
+    done = {p.prompt_id for p in _decoded(read_topic(bus, names.prompts), Prompt, committed)}
+    grouped = {g.prompt_id for g in _decoded(read_topic(bus, names.trajectories(policy)), TrajectoryGroup)}
     return RunAudit(versions=[b.version for b in batches],
                     renumbered=[b.version for b in batches if b.base_version is not None], committed_prompts=len(done),
                     lost=sorted(done - grouped), trained_twice=sorted(g for g, n in counts.items() if n > 1))
