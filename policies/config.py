@@ -10,12 +10,11 @@ so its class refuses a bad value then; a user's class is built when ``astraflow 
 """
 from __future__ import annotations
 
-import inspect
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
-from policies.registry import build_policy, resolve_policy
+from policies.registry import build_policy, check_params, resolve_policy
 from topics.kafka_security import KafkaSecurity
 
 
@@ -115,12 +114,7 @@ class CustomPolicyConfig(BaseModel):
 
     @model_validator(mode="after")
     def _class_takes_params(self) -> "CustomPolicyConfig":
-        cls = resolve_policy(self.name)
-        try:
-            inspect.signature(cls).bind(**self.params())
-        except TypeError as e:
-            accepted = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
-            raise ValueError(f"{self.name}: {e}; accepted parameters: {', '.join(accepted) or 'none'}") from None
+        check_params(self.name, resolve_policy(self.name), self.params())
         return self
 
 

@@ -67,6 +67,36 @@ def import_user_module(name: str) -> ModuleType:
     return importlib.import_module(name)
 
 
+def user_class(spec: str) -> type:
+    """The class ``spec`` names as ``package.module:Class``, its module imported by :func:`import_user_module`.
+
+    Raises:
+        ValueError: the module cannot be imported, or has no class of that name (the message starts with ``spec``).
+    """
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = import_user_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{spec}: cannot import module {module_name!r}: {e}") from None
+    found = getattr(module, attr, None)
+    if not isinstance(found, type):
+        raise ValueError(f"{spec}: module {module_name!r} has no class {attr!r}")
+    return found
+
+
+def check_params(spec: str, cls: type, params: dict) -> None:
+    """Check that ``cls(**params)`` binds to the class's signature (a user's plugin, named ``spec`` in messages).
+
+    Raises:
+        ValueError: an option the class does not take, or a required one missing; the message lists the accepted.
+    """
+    try:
+        inspect.signature(cls).bind(**params)
+    except TypeError as e:
+        accepted = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+        raise ValueError(f"{spec}: {e}; accepted parameters: {', '.join(accepted) or 'none'}") from None
+
+
 def known_policies() -> list[str]:
     """The registered policy names, sorted."""
     _load_builtins()

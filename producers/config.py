@@ -5,7 +5,6 @@ which validates the whole once and cuts each component its section.
 """
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any, Literal
 
@@ -251,31 +250,20 @@ class CustomToolConfig(BaseModel):
         return dict(self.model_extra or {})
 
     def tool_class(self) -> type:
-        """The tool's class, imported (:func:`policies.registry.import_user_module`).
+        """The tool's class, imported (:func:`policies.registry.user_class`).
 
         Raises:
             ValueError: the module cannot be imported or has no such class.
         """
-        from policies.registry import import_user_module
+        from policies.registry import user_class
 
-        module_name, _, attr = self.cls.partition(":")
-        try:
-            module = import_user_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"{self.cls}: cannot import module {module_name!r}: {e}") from None
-        found = getattr(module, attr, None)
-        if not isinstance(found, type):
-            raise ValueError(f"{self.cls}: module {module_name!r} has no class {attr!r}")
-        return found
+        return user_class(self.cls)
 
     @model_validator(mode="after")
     def _class_takes_params(self) -> "CustomToolConfig":
-        cls = self.tool_class()
-        try:
-            inspect.signature(cls).bind(**self.params())
-        except TypeError as e:
-            accepted = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
-            raise ValueError(f"{self.cls}: {e}; accepted parameters: {', '.join(accepted) or 'none'}") from None
+        from policies.registry import check_params
+
+        check_params(self.cls, self.tool_class(), self.params())
         return self
 
 
