@@ -264,7 +264,10 @@ def search_server(
     ready; runs until SIGTERM. `astraflow run` starts it as the component `search` when `tools.search` is set
     without a url. Exits 2 on a bad option, 3 on a bad corpus, 1 when the port cannot be bound."""
     from astraflow.launched import EXIT_BAD_INPUT, stop_on_signals, watch_launcher
+    from astraflow.placement import apply_placement
     from producers.search_server import DEFAULT_CORPUS, Behaviour, SearchServer, serve
+
+    apply_placement()  # where `astraflow run` placed it (placement.search), before the server starts threads
 
     try:
         behaviour = Behaviour(median_s, p99_s, hang, error, garbage, seed, hang_s)
@@ -332,18 +335,15 @@ def status(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
            watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C"),
            seconds: float = typer.Option(3.0, "--seconds", help="seconds of metrics to read before printing"),
            as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables")) -> None:
-    """Show a run's state: per consumer group the lag, per policy the version and reward, and the
-    throughput. Reads `metrics` as its own consumer group; never disturbs the run."""
+    """Show a run's state: per consumer group the lag, per policy the version and reward, the throughput. Reads
+    `metrics` as its own consumer group, never disturbs the run; exits 1 when the run has no topics (--watch waits)."""
     from rich.console import Console
 
     from astraflow.monitor import observe_run
 
-    cfg = load(config, overrides)
-    bus_admin(cfg)
-    monitor = observe_run(cfg.metrics_section(), seconds)
-    if not monitor.seen():
-        typer.echo(f"run {cfg.run!r} has no topics or metrics on {cfg.bus} yet: not started, or another "
-                   f"run= / bus=?", err=True)
+    bus_admin(cfg := load(config, overrides))
+    if (monitor := observe_run(cfg.metrics_section(), seconds, wait=watch)) is None:
+        raise typer.Exit(1)
     try:
         if as_json:
             print(json.dumps(monitor.snapshot()), flush=True)

@@ -6,6 +6,7 @@ Used by the launcher's live view and by ``astraflow status``. It reads the
 """
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -121,8 +122,9 @@ class RunMonitor:
                 v.durable_version = int(m.values.get("durable_version", 0))
             elif m.kind == "trainer" and m.policy in self.views:
                 v = self.views[m.policy]
-                v.step = m.step or v.step
-                v.version = int(m.values.get("version", v.step))
+                # the metric's step is the version; steps_done less the versions a resumed trainer skipped
+                v.step = int(m.values.get("steps_done", m.step or v.step))
+                v.version = int(m.values.get("version", m.step or v.version))
                 v.reward = m.values.get("reward_mean", v.reward)
                 v.kl = m.values.get("kl", v.kl)
                 v.tokens_per_s = m.values.get("tokens_per_s", v.tokens_per_s)
@@ -344,16 +346,27 @@ class RunMonitor:
         self.consumer.close()
 
 
-def observe_run(section: MetricsSection, seconds: float) -> RunMonitor:
+def observe_run(section: MetricsSection, seconds: float, wait: bool = False) -> RunMonitor | None:
     """A :class:`RunMonitor` of ``section``'s run (``astraflow status``) that has read its metrics for ``seconds``;
-    the caller closes it.
+    the caller closes it. A run whose ``metrics`` topic does not exist is said so on stderr, and nothing is read
+    or created (a mistyped ``run=`` is not a new run): None, or with ``wait``, once the topic exists.
 
     Raises:
         topics.bus.BusError: the bus cannot be used.
     """
-    monitor = RunMonitor(connect(section.bus, section.kafka), TopicNames(section.run), section.policies,
-                         section.workflow)
+    bus, metrics = connect(section.bus, section.kafka), TopicNames(section.run).metrics
+    admin = bus.admin()
+    if metrics not in admin.list_topics():
+        print(f"run {section.run!r} has no metrics topic on {section.bus}: not started yet, or another run= / bus=?"
+              + (" Waiting for it." if wait else ""), file=sys.stderr, flush=True)
+        if not wait:
+            return None
+        while metrics not in admin.list_topics():
+            time.sleep(2.0)
+    monitor = RunMonitor(bus, TopicNames(section.run), section.policies, section.workflow)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         monitor.poll(0.5)
+    if not monitor.seen():
+        print(f"run {section.run!r} has no metrics on {section.bus} yet", file=sys.stderr, flush=True)
     return monitor

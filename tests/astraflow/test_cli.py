@@ -99,13 +99,12 @@ def test_unreachable_broker_is_one_line_on_stderr(tmp_path):
     assert out.stderr.startswith("cannot use bus kafka://127.0.0.1:1: cannot reach Kafka")
 
 
-def test_status_of_a_run_not_on_the_bus(tmp_path):
+def test_status_of_a_run_not_on_the_bus_exits_1_and_creates_nothing(tmp_path):
     result = CliRunner().invoke(app, ["status", "examples/arith-tiny.yaml", "run=nosuch", f"run_dir={tmp_path}",
                                       "--seconds", "0.5", "--json"])
-    assert result.exit_code == 0
-    assert "run 'nosuch' has no topics or metrics on local://" in result.output
-    snapshot = json.loads(result.output.strip().splitlines()[-1])
-    assert set(snapshot["lag"].values()) == {None} and snapshot["rollout_tokens_per_s"] == 0.0
+    assert result.exit_code == 1
+    assert "run 'nosuch' has no metrics topic on local://" in result.output
+    assert list((tmp_path / "bus" / "topics").glob("nosuch*")) == []  # a mistyped run= makes no topics
 
 
 @pytest.mark.parametrize("command", [["status"], ["raas"], ["trainer", "--policy", "actor"],
