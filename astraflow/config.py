@@ -119,6 +119,7 @@ class PlacementConfig(_Strict):
     controller: Placement = Field(default_factory=Placement)
     exporter: Placement = Field(default_factory=Placement)
     tracker: Placement = Field(default_factory=Placement)
+    search: Placement = Field(default_factory=Placement, description="the search tool's server")
 
 
 class ExporterConfig(_Strict):
@@ -384,8 +385,11 @@ class RunConfig(_Strict):
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node = tree
     parts = dotted.split(".")
-    for part in parts[:-1]:
+    for i, part in enumerate(parts[:-1]):
         child = node.get(part)
+        if child is None and i == 1 and parts[0] == "policies" and node:  # a typo, not a new policy made field by field
+            raise ConfigError(f"override {dotted}: no policy {part!r} (the config has {', '.join(node)}); a new policy "
+                              f"is given whole: policies.{part}={{model: ..., ...}}")
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):

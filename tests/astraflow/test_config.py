@@ -69,6 +69,8 @@ def test_errors_name_the_field_and_reason(tmp_path):
         load_config(tmp_path)
     with pytest.raises(ConfigError, match=r"override 'policies.actor.steps=\[1': the value is not valid YAML"):
         load_config(p, ["policies.actor.steps=[1"])
+    with pytest.raises(ConfigError, match=r"override policies.actr.steps: no policy 'actr' \(the config has actor\)"):
+        load_config(p, ["policies.actr.steps=3"])  # a typo, not a new policy with only steps ("model: required")
     with pytest.raises(ConfigError) as e:
         load_config(None, ["policies.actor.model=tiny", "workflow.roles.critic=critic"])
     # a whole-config check names its fields itself, without pydantic's "Value error," prefix

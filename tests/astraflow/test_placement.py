@@ -67,3 +67,23 @@ def test_the_launcher_starts_a_component_pinned_to_its_cpus_with_its_threads(tmp
     finally:
         comp.proc.send_signal(signal.SIGTERM)
         assert comp.proc.wait(60) == 0
+
+
+def test_the_search_server_runs_where_it_is_placed(tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    config = ROOT / "examples" / "search-tiny.yaml"
+    overrides = [f"run_dir={tmp_path / 'run'}", f"placement.search.cpus=[{cpu}]"]
+    (tmp_path / "run").mkdir()
+    launcher = Launcher(load_config(config, overrides), config, overrides)
+    comp = next(c for c in launcher.components if c.kind == "search")
+    comp.log = tmp_path / "search.log"
+    launcher.supervisor.start(comp)
+    try:
+        deadline = time.monotonic() + 60
+        while "serving" not in (comp.log.read_text() if comp.log.exists() else ""):
+            assert comp.proc.poll() is None and time.monotonic() < deadline, comp.log.read_text()
+            time.sleep(0.2)
+        assert f"Cpus_allowed_list:\t{cpu}\n" in Path(f"/proc/{comp.proc.pid}/status").read_text()
+    finally:
+        comp.proc.send_signal(signal.SIGTERM)
+        assert comp.proc.wait(60) == 0
