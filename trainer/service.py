@@ -318,7 +318,7 @@ class TrainerService:
                 metrics = step.metrics
                 metrics.update(barrier_wait_s=barrier_s, replayed=batch.replayed, dropped_stale=batch.dropped_stale,
                                duplicates=batch.duplicates, rejected=batch.rejected,
-                               dropped_stale_total=self.serving.total_dropped_stale)
+                               dropped_stale_total=self.serving.total_dropped_stale, steps_done=self.steps_done)
                 if self.publisher is not None:
                     metrics.update(self._publish(step.weights, step.version))
                 self.metrics.emit(self.trainer.version, metrics)
