@@ -49,8 +49,8 @@ processes hits every arm alike; medians over the rounds are reported with every 
 (min, max). Each pipeline run's logs are scanned for tracebacks and ERROR lines, which are printed. Per run it
 also prints the tool's observed p50 latency, its errors (timeouts) and calls, and the engine's mean rows per call.
 
-Defaults (12 steps, 5 warm-up, runs capped at 80 s, 2 rounds, 4 latencies: 24 runs) take ~25 minutes on 2
-cores; ``--quick`` (10 steps, 4 warm-up, 75 s, 1 round, latencies 0 and 0.3) ~6 (plus, once, the build of
+Defaults (20 steps, 5 warm-up, runs capped at 90 s, 2 rounds, 4 latencies: 24 runs) take ~30 minutes on 2
+cores; ``--quick`` (16 steps, 4 warm-up, 80 s, 1 round, latencies 0 and 0.3) ~7 (plus, once, the build of
 ``tiny-search`` when it is not cached: ~4 minutes).
 
 Ends with one JSON line ``{"metric": "agentic", "latency_hidden": pipeline steps/s at 0.3 s / at 0 s,
@@ -524,17 +524,18 @@ def plot(results: dict, latencies: list[float], path: Path) -> None:
 def main() -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="latencies 0,0.3, 10 steps (4 warm-up), 1 round, "
-                        "runs capped at 75 s")
+    parser.add_argument("--quick", action="store_true", help="latencies 0,0.3, 16 steps (4 warm-up), 1 round, "
+                        "runs capped at 80 s")
     parser.add_argument("--latencies", default=None,
                         help="comma-separated median tool latencies, s (default 0,0.1,0.3,1; quick 0,0.3)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2; 1 quick)")
-    parser.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 12; 10 quick)")
+    parser.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 20; 16 quick: "
+                        "a window of 6 steps, ~6 s, moved latency_hidden by +-0.05 between runs)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before the timed window (default 5; 4 quick)")
     parser.add_argument("--max-run-s", type=float, default=None,
                         help="stop a run after this many seconds, start-up included, and time the steps it finished "
-                             "(default 80; 75 quick)")
+                             "(default 90; 80 quick)")
     parser.add_argument("--sync-threads", type=int, default=min(2, cores()), help="torch threads of the sync arm")
     parser.add_argument("--reward-threshold", type=float, default=None,
                         help="reward for the time-to-reward figure (default: start reward + 0.1)")
@@ -551,9 +552,9 @@ def main() -> None:
     parser.add_argument("--_latency", dest="latency", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     q = args.quick
-    args.steps = args.steps or (10 if q else 12)
+    args.steps = args.steps or (16 if q else 20)
     args.warmup = args.warmup if args.warmup is not None else (4 if q else 5)
-    args.max_run_s = args.max_run_s or (75.0 if q else 80.0)
+    args.max_run_s = args.max_run_s or (80.0 if q else 90.0)
     if args.sync_child is not None:
         sync_child(args)
         return
