@@ -59,13 +59,14 @@ def load_corpus(path: str | Path) -> list[tuple[str, str]]:
     """The documents of a JSONL corpus, as ``(doc_id, text)`` in file order (blank lines skipped).
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
+        FileNotFoundError: ``path`` does not exist or is a directory.
         ValueError: a line that is not UTF-8 JSON, not an object, or lacks a string ``doc_id`` or ``text``; a
             ``doc_id`` seen before; or no document at all (the message gives ``path:line``).
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"search corpus {path} does not exist")
+        raise FileNotFoundError(f"search corpus {path} is a directory: give a JSONL file of {{doc_id, text}} lines"
+                                if path.is_dir() else f"search corpus {path} does not exist")
     docs, seen = [], set()
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):

@@ -17,7 +17,7 @@ from astraflow.config import ConfigError, load_config
 from astraflow.launcher.plan import plan_components
 from astraflow.launcher.run import Launcher
 from producers.raas import make_tools
-from producers.search_server import Behaviour, SearchServer, fts_query
+from producers.search_server import Behaviour, SearchServer, fts_query, load_corpus
 from producers.search_tool import SearchTool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +36,17 @@ def corpus(tmp_path: Path) -> Path:
     path = tmp_path / "kb.jsonl"
     path.write_text("".join(json.dumps({"doc_id": d, "text": t}) + "\n" for d, t in DOCS))
     return path
+
+
+def test_a_corpus_that_is_not_a_jsonl_file_is_refused_with_the_reason(tmp_path, corpus):
+    assert [d for d, _ in load_corpus(corpus)] == [d for d, _ in DOCS]
+    with pytest.raises(FileNotFoundError, match="is a directory: give a JSONL file"):
+        load_corpus(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_corpus(tmp_path / "nope.jsonl")
+    (tmp_path / "bad.jsonl").write_text('{"doc_id": "a", "text": "x"}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_corpus(tmp_path / "bad.jsonl")
 
 
 def test_retrieval_ranks_the_named_doc_first_and_survives_fts_syntax(corpus):
