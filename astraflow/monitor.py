@@ -226,8 +226,9 @@ class RunMonitor:
     def workers(self, window_s: float = 300.0) -> dict[str, dict[str, float]]:
         """Per RaaS worker reporting within ``window_s`` seconds: its rollout throughput (``tokens_per_s``,
         :meth:`worker_throughput`), the seconds since its newest report (``silent_s``: over ``WORKER_SILENT_S``,
-        it is dead or stopped), its episodes and prompts in flight, the mean requests per engine call, and per tool
-        its latency percentiles (seconds), calls and errors, from its latest metric
+        it is dead or stopped; ``stopped`` 1: its last report said it stopped), its episodes and prompts in flight,
+        the mean requests per engine call, and per tool its latency percentiles (seconds), calls and errors, from its
+        latest metric
         (:meth:`producers.raas.RaasWorker._maybe_metrics`)."""
         now, out = time.time(), {}
         rates = self.worker_throughput(now=now)
@@ -236,7 +237,8 @@ class RunMonitor:
                 continue
             out[c] = {"tokens_per_s": rates.get(c, 0.0), "silent_s": max(0.0, now - m.ts),
                       **{k: v for k, v in m.values.items()
-                         if k in ("episodes_inflight", "prompts_inflight") or k.startswith(("tool.", "engine_batch."))}}
+                         if k in ("episodes_inflight", "prompts_inflight", "stopped")
+                         or k.startswith(("tool.", "engine_batch."))}}
         return out
 
     def seen(self) -> bool:
@@ -320,10 +322,12 @@ class RunMonitor:
 
     def _last_metric(self, component: str | None) -> str:
         """A table cell: how long ago ``component`` last reported; a RaaS worker silent for ``WORKER_SILENT_S``
-        seconds is marked ``SILENT``."""
+        seconds is marked ``SILENT``, one whose last report said it stopped ``stopped``."""
         ago = None if component is None else self.silent_s(component)
         if ago is None:
             return "-"
+        if self.components[component].values.get("stopped"):
+            return f"stopped {ago:.0f} s ago"
         if self.components[component].kind == "raas" and ago > WORKER_SILENT_S:
             return f"[bold red]SILENT {ago:.0f} s[/]"
         return f"{ago:.0f} s ago"

@@ -594,11 +594,12 @@ class RaasWorker:
         if offsets:
             self.consumer.commit(offsets)
 
-    def _maybe_metrics(self, every_s: float = 2.0) -> None:
+    def _maybe_metrics(self, every_s: float = 2.0, stopped: bool = False) -> None:
         now = time.monotonic()
         if now - self._last_metric < every_s:
             return
         values = {f"{k}_total": float(v) for k, v in self.totals.items()}
+        values["stopped"] = 1.0 if stopped else 0.0  # the last report of a worker that stopped (not one that died)
         # paused: held back by backpressure now; paused_frac: the share of the time since the last metric it
         # was (what a scaling controller reads: a worker paused between batches flips paused every step);
         # commands count apart
@@ -646,7 +647,7 @@ class RaasWorker:
                 self._abandon()
                 self._commit_ready()
             self._last_metric = 0.0
-            self._maybe_metrics()
+            self._maybe_metrics(stopped=True)
             self.producer.flush()
         finally:
             pending = asyncio.all_tasks(self.loop)  # cancelled episodes, engine calls whose results nobody awaits

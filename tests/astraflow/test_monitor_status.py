@@ -18,10 +18,12 @@ def test_status_marks_a_silent_worker_and_shows_each_workers_throughput(tmp_path
     ensure_run_topics(bus.admin(), names, ["actor"])
     now = time.time()
     producer = bus.producer()
-    # raas-0 reports every 2 s up to now, 100 tokens a report (50 tok/s); raas-1 did the same until 20 s ago
-    for worker, last in (("raas-0", now), ("raas-1", now - 20)):
+    # raas-0 reports every 2 s up to now, 100 tokens a report (50 tok/s); raas-1 did the same until 20 s ago, and so
+    # did raas-2, whose last report said it stopped (a finished run's worker)
+    for worker, last in (("raas-0", now), ("raas-1", now - 20), ("raas-2", now - 20)):
         for i in range(6):
-            m = Metric(component=worker, kind="raas", values={"tokens_total": 1000 + 100 * i}, ts=last - 10 + 2 * i)
+            values = {"tokens_total": 1000 + 100 * i, "stopped": float(worker == "raas-2" and i == 5)}
+            m = Metric(component=worker, kind="raas", values=values, ts=last - 10 + 2 * i)
             producer.send(names.metrics, encode(m), key=worker, headers=headers_for(m))
     producer.flush()
     # the dead worker's consumer is still a member of the RaaS group (its session has not expired)
@@ -32,12 +34,12 @@ def test_status_marks_a_silent_worker_and_shows_each_workers_throughput(tmp_path
     monitor = RunMonitor(bus, names, ["actor"], "single_turn")
     try:
         deadline = time.monotonic() + 30
-        while len(monitor.components) < 2:
+        while len(monitor.components) < 3:
             assert time.monotonic() < deadline, "the metrics did not arrive"
             monitor.poll(0.5)
         rates = monitor.worker_throughput()
         assert rates["raas-1"] == 0.0 and abs(rates["raas-0"] - 50.0) < 1e-6, rates
-        assert abs(monitor.rollout_throughput() - 50.0) < 1e-6  # the 30 s average counted the dead worker: 100
+        assert abs(monitor.rollout_throughput() - 50.0) < 1e-6  # the 30 s average counted the dead workers
         workers = monitor.snapshot()["workers"]
         assert workers["raas-1"]["silent_s"] > WORKER_SILENT_S > workers["raas-0"]["silent_s"], workers
         console = Console(width=250, record=True)
@@ -46,9 +48,10 @@ def test_status_marks_a_silent_worker_and_shows_each_workers_throughput(tmp_path
         member_row = next(line for line in text.splitlines() if "raas-1" in line and "status.raas.single_turn" in line)
         assert "SILENT 2" in member_row, text  # 20-21 s
         cells = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines()]
-        rows = {row[0]: row[1:3] for row in cells if row and row[0] in ("raas-0", "raas-1")}  # worker: tok/s, last
+        rows = {row[0]: row[1:3] for row in cells if row and row[0] in ("raas-0", "raas-1", "raas-2")}  # worker: tok/s, last
         assert rows["raas-0"][0] == "50" and rows["raas-0"][1].endswith(" s ago"), text
         assert rows["raas-1"][0] == "0" and rows["raas-1"][1].startswith("SILENT 2"), text
+        assert rows["raas-2"][0] == "0" and rows["raas-2"][1].startswith("stopped 2"), text
     finally:
         monitor.close()
         member.close()

@@ -170,7 +170,8 @@ def test_status_shows_throughput_and_true_lag_during_a_run(tmp_path):
                          (names.filter_group("actor"), names.trajectories("actor"))]:
         ends, committed = admin.end_offsets(topic), admin.group_offsets(group, topic)
         assert final["lag"][f"{group} {topic}"] == sum(e - (committed[p] or 0) for p, e in ends.items())
-    assert final["policies"]["actor"]["version"] == 40
+    assert final["policies"]["actor"]["version"] == 40 and final["policies"]["actor"]["step"] == 40
+    assert final["workers"]["raas-0"]["stopped"] == 1.0, final  # shown as stopped, not SILENT
     # the newest durable version, from the trainer's step metrics (a publish runs behind its step)
     assert 35 <= final["policies"]["actor"]["durable_version"] <= 40, final
 
