@@ -1,0 +1,73 @@
+"""The GPU examples' code paths on the CPU, at tiny size (issue 30): per GPU example, its trainer settings (bf16
+parameters over fp32 master weights, lr 1e-6, its correction) train the tiny model for 3 steps on rollouts of the
+in-process engine, which loads each published version as RaaS does (:class:`producers.engine_sync.EngineSync`'s
+contract: the changed bf16 tensors). Each step checks that the weights move at the example's learning rate
+(per-version sparsity in the paper's 0.97-0.99) and that the engine's behaviour logprobs equal the trainer's
+recompute on the same version. The multi-GPU example's 2 ranks (FSDP2, metrics reduced through the device's
+backend) are ``tests/trainer/test_distributed.py::test_two_ranks_train_the_multi_gpu_example_in_bf16``; what only
+a GPU shows is ``scripts/gpu_check.sh``."""
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "trainer"))
+
+from dist_worker import example_trainer, sparsity  # noqa: E402
+from producers.engines import SamplingParams  # noqa: E402
+from producers.hf_engine import HFEngine  # noqa: E402
+from topics.schemas import Sample, TrajectoryGroup  # noqa: E402
+from trainer.config import TrainerConfig  # noqa: E402
+from trainer.loop import Trainer  # noqa: E402
+
+torch.set_num_threads(1)
+
+GPU_EXAMPLES = ["gsm8k-qwen3-0.6b.yaml", "gsm8k-qwen3-0.6b-3gpu.yaml"]
+PROMPTS = ["1+2=", "5+5=", "19+19=", "7+8="]
+
+
+def rollouts(engine: HFEngine, version: int, temperature: float, g: int = 4) -> list[TrajectoryGroup]:
+    """One GRPO group of ``g`` samples per prompt of :data:`PROMPTS`, sampled by ``engine`` (its behaviour logprobs,
+    every token at ``version``); reward: the share of even token ids (it varies within a group)."""
+    groups = []
+    for i, text in enumerate(PROMPTS):
+        prompt = engine.tokenizer.encode(text)
+        gens = engine.generate([prompt] * g, SamplingParams(max_new_tokens=8, temperature=temperature,
+                                                            stop_token_ids=(), seed=version * 100 + i))
+        samples = [Sample(input_ids=np.r_[prompt, x.output_ids].astype(np.int32),
+                          loss_mask=np.r_[np.zeros(len(prompt)), np.ones(len(x.output_ids))].astype(np.uint8),
+                          behavior_logprobs=np.r_[np.zeros(len(prompt)), x.logprobs].astype(np.float32),
+                          versions=np.r_[np.full(len(prompt), -1), np.full(len(x.output_ids), version)].astype(np.int32),
+                          reward=float(np.mean(x.output_ids % 2 == 0)), finish_reason=x.finish_reason)
+                   for x in gens]
+        groups.append(TrajectoryGroup.build(samples=samples, prompt_id=f"q{i}", group_id=uuid.uuid4().hex,
+                                            policy="pol"))
+    return groups
+
+
+@pytest.mark.parametrize("example", GPU_EXAMPLES)
+def test_the_gpu_example_learns_at_its_rate_with_engine_logprobs_equal_to_the_trainers(tiny_model_dir, example):
+    settings = {**example_trainer(ROOT / "examples" / example), "ranks": 1}
+    assert settings["param_dtype"] == "bfloat16" and settings["lr"] == 1e-6
+    trainer = Trainer(TrainerConfig(policy="pol", temperature=1.0, **settings), tiny_model_dir)
+    engine = HFEngine(tiny_model_dir)  # RaaS's engine on the CPU (engine: hf), holding the published weights
+    published = trainer.publish_state()
+    engine.load_weights(published, version=0)
+    for step in range(1, 4):
+        metrics = trainer.train_step(rollouts(engine, trainer.version, temperature=1.0), with_weights=True)
+        # on-policy (staleness 0): the engine's logprobs are the trainer's recompute up to bf16 rounding
+        m = metrics.metrics
+        assert m["staleness_max"] == 0 and abs(m["behaviour_kl"]) < 1e-4, m  # measured 5e-6 - 1e-5
+        assert abs(m["is_ratio_mean"] - 1) < 2e-3, m  # measured within 3e-4
+        new = metrics.weights
+        assert {v.dtype for v in new.values()} == {torch.bfloat16}
+        assert 0.9 < sparsity(published, new) < 0.99, (step, sparsity(published, new))
+        changed = {k: v for k, v in new.items() if not torch.equal(v, published[k])}
+        engine.load_weights(changed, version=metrics.version)  # only what changed, as EngineSync hands it
+        published = new
+    assert engine.version == trainer.version == 3
+    assert all(torch.equal(engine.model.state_dict()[k].to(torch.bfloat16), v) for k, v in published.items())
