@@ -24,6 +24,7 @@ Two modes:
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid

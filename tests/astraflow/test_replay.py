@@ -122,3 +122,17 @@ def test_a_replay_of_a_run_that_is_not_there_says_so_and_exits_2(tmp_path):
                                       "--policy", "actor"])
     assert result.exit_code == 2, result.output
     assert "no run 'nosuchrun' with policy 'actor'" in " ".join(result.output.split())
+
+
+def test_a_version_the_weights_topic_lacks_takes_its_checksum_from_the_stored_snapshot(tmp_path):
+    import torch
+
+    from topics.layout import ensure_run_topics
+    from weights.codec import save_full
+
+    bus, names = connect(f"local://{tmp_path / 'bus'}"), TopicNames("gone")
+    ensure_run_topics(bus.admin(), names, ["actor"])  # no announcement on weights
+    store = WeightStore(tmp_path.joinpath("weights").as_uri(), "gone")
+    sha = save_full({"w": torch.arange(6, dtype=torch.bfloat16)}, tmp_path / "full.safetensors", version=3)
+    store.put(store.key("actor", 3, "full"), tmp_path / "full.safetensors")
+    assert recorded_checksums(bus, names, "actor", store, timeout_s=10) == {3: sha}
