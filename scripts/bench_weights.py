@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -45,9 +44,6 @@ import numpy as np
 import torch
 
 from weights.codec import apply_delta, bits, encode_delta, state_sha256
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.spread import spread  # noqa: E402
 
 DATA = Path("/work/shared/data/gsm8k_train.jsonl")
 LRS = (1e-7, 1e-6, 1e-5, 1e-4)

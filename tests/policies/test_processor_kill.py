@@ -5,7 +5,6 @@ read_committed reader. The chain includes a user filter named only in the config
 temporary module on PYTHONPATH)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -6,7 +6,6 @@ Every case runs hostile code that catches what it can and reports what it reache
 """
 import os
 import secrets
-import time
 from pathlib import Path
 
 import pytest
@@ -255,14 +254,14 @@ def test_setsid_children_do_not_survive(world):
              "import time\nwhile True:\n    time.sleep(0.1)\n")
     limits = SandboxLimits(cpu_s=2, wall_s=2, nproc=4)
     # the program hangs: killed at the wall timeout, with its setsid child
-    code = LIBC + f"pid = libc.fork()\nif pid == 0:\n" + "".join("    " + line + "\n" for line in child.splitlines()) \
+    code = LIBC + "pid = libc.fork()\nif pid == 0:\n" + "".join("    " + line + "\n" for line in child.splitlines()) \
         + "print('child', pid, flush=True)\nimport time\ntime.sleep(60)\n"
     r = run_python(code, limits)
     contained(r, limits)
     assert r.timed_out and "child" in r.stdout and int(r.stdout.split()[1]) > 0, r
     assert comm_pids(name) == []
     # the program exits at once: the run ends then, not at the timeout, and the child goes with it
-    code = LIBC + f"pid = libc.fork()\nif pid == 0:\n" + "".join("    " + line + "\n" for line in child.splitlines()) \
+    code = LIBC + "pid = libc.fork()\nif pid == 0:\n" + "".join("    " + line + "\n" for line in child.splitlines()) \
         + "import time\ntime.sleep(0.3)\nprint('parent exits')\n"
     r = run_python(code, limits)
     assert r.passed and not r.timed_out and r.wall_s < limits.wall_s, r
