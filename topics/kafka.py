@@ -366,6 +366,9 @@ class KafkaProducer(Producer):
 
 #: Seconds a consumer's offset commit may take before the consumer is given up (see :meth:`KafkaConsumer.commit`).
 COMMIT_TIMEOUT_S = 60.0
+#: seconds a group member's commits may be refused for want of a coordinator, the broker answering, before the
+#: member is re-created (:meth:`KafkaConsumer._coordinator_lost`)
+NO_COORDINATOR_RENEW_S = 60.0
 
 
 class _Fenced(Exception):
@@ -411,6 +414,8 @@ class KafkaConsumer(Consumer):
         self._early: list[Record] = []  # read while a renewed consumer joined its group (_renew): the next poll's
         #: times this consumer was fenced and re-created in place (:meth:`_renew`)
         self.renewals = 0
+        self._no_coordinator_since: float | None = None  # the first of the consecutive commits refused for want of
+        # a group coordinator (_WAIT_COORD)
 
     # membership
     def subscribe(self, topics: list[str]) -> None:
@@ -550,8 +555,9 @@ class KafkaConsumer(Consumer):
                 pass  # not fetchable yet right after assignment; retried on the next poll
 
     def commit(self, offsets, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
-        """Commit ``offsets`` synchronously, within ``timeout_s`` seconds. A group member fenced at the commit, or
-        whose commit does not return (both seen after a broker restart), is re-created in place (:meth:`_renew`);
+        """Commit ``offsets`` synchronously, within ``timeout_s`` seconds. A group member fenced at the commit, whose
+        commit does not return, or whose commits find no group coordinator for :data:`NO_COORDINATOR_RENEW_S` while
+        the broker answers (each seen after a broker restart) is re-created in place (:meth:`_renew`);
         once the group has given it back partitions, the offsets of those partitions are committed by the new member
         and it reads on from them.
 
@@ -598,9 +604,32 @@ class KafkaConsumer(Consumer):
             err = e.args[0]
             if self._fenced(err):
                 raise _Fenced(f"fenced at a commit ({err.str()})") from None
+            if self._coordinator_lost(err):
+                raise _Fenced(f"no group coordinator for its commits for {NO_COORDINATOR_RENEW_S:.0f} s while the "
+                              "broker answers") from None
             kind = FatalBusError if err.fatal() or err.code() == KafkaError._FATAL else BusError
             raise kind(f"commit refused for group {self.group}: {e}") from None
+        self._no_coordinator_since = None
         _check_result("commit", result or [])
+
+    def _coordinator_lost(self, err: KafkaError) -> bool:
+        """Whether a subscribed member's commits have been refused for want of a group coordinator
+        (``_WAIT_COORD``) for :data:`NO_COORDINATOR_RENEW_S` seconds while the broker answers a metadata request:
+        seen once after a broker restart, a member that never found its coordinator again (180 s of refused
+        commits, while a new member found it at once), so it is re-created (:meth:`_renew`)."""
+        if err.code() != KafkaError._WAIT_COORD or not self._subscribed:
+            self._no_coordinator_since = None
+            return False
+        now = time.monotonic()
+        self._no_coordinator_since = self._no_coordinator_since or now
+        if now - self._no_coordinator_since < NO_COORDINATOR_RENEW_S:
+            return False
+        try:
+            self._c.list_topics(timeout=5)
+        except KafkaException:
+            return False  # the broker is down: waiting for it is all there is to do
+        self._no_coordinator_since = None
+        return True
 
     def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:
         try:
