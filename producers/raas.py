@@ -194,6 +194,7 @@ class RaasWorker:
         self.syncs = {p: EngineSync(self.engines[p], self.pullers[p]) for p in self.policies}  # sync_weights uses
         self._pulls: dict[str, threading.Thread] = {}  # policy -> the thread bringing its puller's copy forward
         self._pull_errors: dict[str, Exception] = {}  # policy -> why its last pull failed
+        self._sync_failures: dict[str, int] = {}  # policy -> pulls or loads failed in a row (the first one warns)
         self.sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens,
                                        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p)
         self.admin = self.bus.admin()
@@ -258,17 +259,18 @@ class RaasWorker:
                 del self._loads[p]
                 try:
                     loading.result()
-                    log.info("%s: policy %s now at version %d", self.id, p, engine.version)
+                    failed = self._sync_failures.pop(p, 0)
+                    log.info("%s: policy %s now at version %d%s", self.id, p, engine.version,
+                             f" (after {failed} failed attempt(s))" if failed else "")
                 except (WeightsUnavailable, EngineUpdateError) as e:
-                    log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p, e)
+                    self._sync_failed(p, e)
             pulling = self._pulls.get(p)
             if pulling is not None:
                 if pulling.is_alive():
                     continue  # the host copy is being brought forward: the engine keeps its weights
                 del self._pulls[p]
                 if p in self._pull_errors:
-                    log.warning("%s: keeping version %d of %s: %s", self.id, engine.version, p,
-                                self._pull_errors.pop(p))
+                    self._sync_failed(p, self._pull_errors.pop(p))
             ready = sync.loadable()
             if ready is not None:
                 self._loads[p] = (self.batchers[p].submit(sync.load, ready), ready)
@@ -282,6 +284,15 @@ class RaasWorker:
             self._pulls[p] = threading.Thread(target=self._fetch, args=(p, newest), daemon=True,
                                               name=f"{self.id}-pull-{p}")
             self._pulls[p].start()
+
+    def _sync_failed(self, policy: str, error: Exception) -> None:
+        """Log that ``policy``'s engine keeps its version because of ``error``: a warning at the first failure of a
+        run of them, the retries that fail the same way at debug level (a store outage of a minute made some 20
+        identical warnings), and :meth:`sync_weights` says at info level how many failed once a version loads."""
+        failed = self._sync_failures[policy] = self._sync_failures.get(policy, 0) + 1
+        log.log(logging.WARNING if failed == 1 else logging.DEBUG, "%s: keeping version %d of %s: %s%s", self.id,
+                self.syncs[policy].engine.version, policy, error,
+                "; retrying, further failures at debug level" if failed == 1 else f" (failure {failed} in a row)")
 
     def _fetch(self, policy: str, version: int) -> None:
         """The body of a pull thread: bring ``policy``'s host copy to ``version``; a failure is kept for

@@ -148,6 +148,16 @@ def _bounded(name: str, fn: Callable[[], T], timeout_s: float) -> T:
 TXN_GRACE_S = 10.0
 
 
+def _broker_answers(client: _Producer | _Consumer) -> bool:
+    """Whether the broker answers ``client``'s metadata request within 5 s (a client that gets no acknowledgement
+    or no coordinator while the broker answers is stuck, not waiting out an outage)."""
+    try:
+        client.list_topics(timeout=5)
+        return True
+    except KafkaException:
+        return False
+
+
 def _check_result(what: str, result: Iterable[_TP]) -> None:
     for tp in result:
         if tp.error is not None:
@@ -253,17 +263,10 @@ class KafkaProducer(Producer):
         self._raise_failures()
         if left:
             waited = time.monotonic() - self._last_report
-            if not self._transactional and waited >= self.stuck_s and self._broker_answers():
+            if not self._transactional and waited >= self.stuck_s and _broker_answers(self._p):
                 self.renew(f"{left} record(s) unacknowledged and no delivery report for {waited:.0f} s while the "
                            f"broker answers")
             raise BusError(f"{left} record(s) still unacknowledged after {timeout_s} s")
-
-    def _broker_answers(self) -> bool:
-        try:
-            self._p.list_topics(timeout=5)
-            return True
-        except KafkaException:
-            return False
 
     def renew(self, why: str) -> None:
         """Replace the librdkafka producer with a new one and send every unacknowledged record again through it,
@@ -624,9 +627,7 @@ class KafkaConsumer(Consumer):
         self._no_coordinator_since = self._no_coordinator_since or now
         if now - self._no_coordinator_since < NO_COORDINATOR_RENEW_S:
             return False
-        try:
-            self._c.list_topics(timeout=5)
-        except KafkaException:
+        if not _broker_answers(self._c):
             return False  # the broker is down: waiting for it is all there is to do
         self._no_coordinator_since = None
         return True

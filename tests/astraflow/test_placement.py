@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _config(tmp_path, *overrides):
     return load_config(ROOT / "examples" / "arith-tiny.yaml", [f"run_dir={tmp_path / 'run'}", *overrides])
+
+
+@contextmanager
+def _started(launcher: Launcher, comp, ready: str, timeout_s: float):
+    """Start ``comp`` through the launcher's supervisor and wait until its log says ``ready``; at the end it is
+    sent SIGTERM and must exit 0."""
+    launcher.supervisor.start(comp)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while ready not in (comp.log.read_text() if comp.log.exists() else ""):
+            assert comp.proc.poll() is None and time.monotonic() < deadline, comp.log.read_text()
+            time.sleep(0.2)
+        yield comp.log.read_text()
+    finally:
+        comp.proc.send_signal(signal.SIGTERM)
+        assert comp.proc.wait(60) == 0
 
 
 def test_a_placement_on_cpus_this_machine_lacks_is_refused_before_anything_starts(tmp_path):
@@ -53,20 +70,12 @@ def test_the_launcher_starts_a_component_pinned_to_its_cpus_with_its_threads(tmp
     comp.name, comp.log = "controller", tmp_path / "controller.log"
     comp.argv = [sys.executable, "-m", "astraflow", "controller", str(ROOT / "examples" / "arith-tiny.yaml"),
                  f"run_dir={tmp_path / 'run'}"]
-    launcher.supervisor.start(comp)
-    try:
-        deadline = time.monotonic() + 90
-        while "controller on cpus" not in (comp.log.read_text() if comp.log.exists() else ""):
-            assert comp.proc.poll() is None and time.monotonic() < deadline, comp.log.read_text()
-            time.sleep(0.2)
-        assert f"controller on cpus [{cpu}], 1 thread(s)" in comp.log.read_text()
+    with _started(launcher, comp, "controller on cpus", 90) as log:
+        assert f"controller on cpus [{cpu}], 1 thread(s)" in log
         status = Path(f"/proc/{comp.proc.pid}/status").read_text()
         assert f"Cpus_allowed_list:\t{cpu}\n" in status
         environ = Path(f"/proc/{comp.proc.pid}/environ").read_bytes().split(b"\0")
         assert b"OMP_NUM_THREADS=1" in environ
-    finally:
-        comp.proc.send_signal(signal.SIGTERM)
-        assert comp.proc.wait(60) == 0
 
 
 def test_the_search_server_runs_where_it_is_placed(tmp_path):
@@ -77,13 +86,5 @@ def test_the_search_server_runs_where_it_is_placed(tmp_path):
     launcher = Launcher(load_config(config, overrides), config, overrides)
     comp = next(c for c in launcher.components if c.kind == "search")
     comp.log = tmp_path / "search.log"
-    launcher.supervisor.start(comp)
-    try:
-        deadline = time.monotonic() + 60
-        while "serving" not in (comp.log.read_text() if comp.log.exists() else ""):
-            assert comp.proc.poll() is None and time.monotonic() < deadline, comp.log.read_text()
-            time.sleep(0.2)
+    with _started(launcher, comp, "serving", 60):
         assert f"Cpus_allowed_list:\t{cpu}\n" in Path(f"/proc/{comp.proc.pid}/status").read_text()
-    finally:
-        comp.proc.send_signal(signal.SIGTERM)
-        assert comp.proc.wait(60) == 0

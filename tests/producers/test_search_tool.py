@@ -124,8 +124,13 @@ def test_concurrent_requests_overlap(corpus):
     measured = sorted(tool.latencies)
     # the server slept exactly the seed's first n draws: each order statistic of the latencies is at least the draw's
     assert all(m >= e - 0.005 for m, e in zip(measured, expected)), list(zip(measured, expected))[:5]
-    assert 0.035 < tool.percentiles()["p50"] < 0.1
-    assert tool.percentiles()["p50"] <= tool.percentiles()["p90"] <= tool.percentiles()["p99"]
+    # p50 is the latencies' median: at least the draws' median, and at most 0.15 s above it (the overhead of 60
+    # requests served and awaited in one event loop; measured 0.004-0.05 s, 0.05 on a CI machine running other tests)
+    p = tool.percentiles()
+    assert p["p50"] == pytest.approx(statistics.median(measured))
+    drawn = statistics.median(expected)
+    assert drawn - 0.005 <= p["p50"] < drawn + 0.15, (p["p50"], drawn)
+    assert p["p50"] <= p["p90"] <= p["p99"]
 
 
 def test_faults_become_error_observations(corpus):
