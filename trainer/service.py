@@ -255,7 +255,8 @@ class TrainerService:
                 optimizer=self.trainer.optimizer, offsets=offsets, serving=self.serving.state_dict(),
                 policies=policies, renumbered=self._renumbered, keep=self.config.keep_checkpoints)
         self._pending.clear()
-        self.serving.commit(offsets)
+        # the checkpoint is durable: a commit refused while the broker restarts (NOT_COORDINATOR, seen) is retried
+        patiently(f"trainer.{self.config.trainer.policy}: commit", lambda: self.serving.commit(offsets), log=log)
         self._committed = offsets
         return path
 

@@ -53,6 +53,7 @@ A **full snapshot** is a safetensors file whose metadata holds ``version`` and
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -571,7 +572,9 @@ def apply_delta(data: bytes, tensors: MutableMapping[str, torch.Tensor], *,
 
 
 def save_full(tensors: Mapping[str, torch.Tensor], path: str | Path, *, version: int, sha256: str | None = None) -> str:
-    """Write a full snapshot (safetensors) of ``tensors`` to ``path``.
+    """Write a full snapshot (safetensors) of ``tensors`` to ``path``: the same tensors and version give the same
+    bytes (:func:`_canonical_header`), so a publish retried after its put landed is accepted by the store's
+    create-only put, not refused as another object under the version.
 
     Returns:
         The :func:`state_sha256` of ``tensors`` (recorded in the file's metadata).
@@ -580,7 +583,26 @@ def save_full(tensors: Mapping[str, torch.Tensor], path: str | Path, *, version:
 
     sha = sha256 or state_sha256(tensors)
     save_file(dict(tensors), str(path), metadata={"version": str(version), "sha256": sha, "format": "astraflow-full-1"})
+    _canonical_header(Path(path))
     return sha
+
+
+def _canonical_header(path: Path) -> None:
+    """Rewrite a safetensors file's JSON header in place with its keys sorted.
+
+    safetensors writes ``__metadata__`` from a Rust hash map whose order changes from call to call (6 byte-distinct
+    files in 20 saves of the same tensors, safetensors 0.8): a full snapshot retried after a failed announcement
+    was refused by the store as other bytes, and the trainer held at that version for good. The sorted header has
+    the same length (the same keys and values, compact, as safetensors writes it) and keeps its space padding; a
+    header that would not fit is left as it is.
+    """
+    with path.open("r+b") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        canonical = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(canonical) <= size:
+            f.seek(8)
+            f.write(canonical.ljust(size, b" "))
 
 
 def load_full(path: str | Path, into: MutableMapping[str, torch.Tensor] | None = None, *,

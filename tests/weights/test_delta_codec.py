@@ -219,6 +219,21 @@ def test_max_bytes_gives_up_on_dense_delta(pair):
     assert read_header(d.data).tensors[0]["count"] == len(range(0, 64 * 16, 7))
 
 
+def test_a_full_snapshot_of_the_same_tensors_has_the_same_bytes(tmp_path, pair):
+    """A publish retried after its put landed must find the same bytes there (the store's create-only put accepts
+    only those): safetensors alone wrote its metadata in a varying order (6 distinct files in 20 saves), and a
+    trainer whose announcement failed in a broker outage was refused its own version for good."""
+    _, new, _ = pair
+    files = set()
+    for i in range(20):
+        save_full(new, tmp_path / f"{i}.safetensors", version=9)
+        files.add((tmp_path / f"{i}.safetensors").read_bytes())
+    assert len(files) == 1
+    loaded, version, sha = load_full(tmp_path / "0.safetensors")
+    assert version == 9 and sha == state_sha256(new)
+    assert_bit_equal(dict(loaded), new)
+
+
 def test_full_snapshot_round_trip_and_corruption(tmp_path, pair):
     old, new, _ = pair
     path = tmp_path / "full.safetensors"
