@@ -365,7 +365,8 @@ class CuratorGate:
         ``outcomes`` offsets.
 
         Raises:
-            DeliveryError: some records were not acknowledged (nothing is committed).
+            DeliveryError: some records were not acknowledged (nothing is committed). BusError: the bus failed
+                for longer than the patience (:func:`topics.patience.patiently`).
         """
         if self.pending:
             m = _metric(self.component, self.policy, self.pending)
@@ -380,10 +381,11 @@ class CuratorGate:
                                 offsets={str(p): o for p, o in saved.items()})
             self.producer.send(self.names.state, encode(state), key=self.component, headers=headers_for(state))
         self._last_metrics = time.monotonic()
-        self.producer.flush()
+        # a broker restart is waited out here, as every other component's flush and commit are
+        patiently(f"{self.component}: flush", self.producer.flush, log=log)
         if unsaved:
             self._saved, self._unsaved = saved, {}
-            self.outcomes.commit(unsaved)
+            patiently(f"{self.component}: commit outcomes", lambda: self.outcomes.commit(unsaved), log=log)
 
     def close(self) -> None:
         """Flush, then release the producer and both consumers."""

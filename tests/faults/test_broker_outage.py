@@ -35,20 +35,18 @@ def test_a_broker_outage_is_ridden_out(tmp_path, private_broker):
         launcher.kill()
         raise
     summary, err = finish(launcher, run_dir, STEPS, 600)
-    # acquisition (a producer with no group membership) waited the outage out in place (topics/patience.py); the
-    # group members too: one fenced by the coordinator after the restart (a static member whose session expired
-    # while the broker came back) is re-created in place, not restarted. Not RaaS, yet: in 1 of 3 runs its
-    # idempotent producer still held 32 records unacknowledged 180 s after the broker was back, and it exited; a
-    # producer stuck that way is now replaced in place (KafkaProducer.renew, tests/faults/test_producer_renewal.py),
-    # not yet seen through enough bounces to assert it here.
+    # no component was restarted: acquisition (a producer with no group membership) waited the outage out in place
+    # (topics/patience.py), and so did the group members; one fenced by the coordinator after the restart (a static
+    # member whose session expired while the broker came back) is re-created in place. Before the trainer's
+    # checkpoint commit was retried with patience (NOT_COORDINATOR, COORDINATOR_LOAD_IN_PROGRESS right after the
+    # restart) and full snapshots had one byte form (a retried publish was refused as other bytes, and the trainer
+    # held at that version), the trainer was restarted in 2 of 3 runs; after, 0 restarts of any component in 4.
     components = json.loads((run_dir / "components.json").read_text())
-    assert all(components[c]["restarts"] == 0 for c in ("policy.actor", "acquire")), components
+    assert {c: v["restarts"] for c, v in components.items()} == dict.fromkeys(components, 0), components
     assert "the bus answers again after" in (run_dir / "logs" / "acquire.log").read_text()
-    # Not the trainer, yet: it redid no step in 4 runs on a quiet machine, but in one CI run (2 loaded cores) it
-    # was restarted 3 times (open, issue 29 item 1). When it was not restarted, it logged each step once.
+    # the trainer redid no step: it logged each step once
     trained = [json.loads(line)["step"] for line in (run_dir / "trainer.actor" / "metrics.jsonl").open()]
-    if components["trainer.actor"]["restarts"] == 0:
-        assert trained == list(range(1, STEPS + 1)), trained
+    assert trained == list(range(1, STEPS + 1)), trained
     # the launcher's monitor rejoined its group after the restart and counted no record twice
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     steps = Counter((r["component"], r["step"]) for r in rows if r["step"] is not None)
