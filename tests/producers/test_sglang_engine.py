@@ -5,6 +5,7 @@ test runs the real server where one is present."""
 import base64
 import io
 import json
+import logging
 import pickle
 import sys
 import threading
@@ -347,10 +348,10 @@ def test_an_interrupt_aborts_the_running_request_on_the_server(fake, engine):
         engine.generate([[1]], SamplingParams())
 
 
-def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(tmp_path):
+def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(tmp_path, caplog):
     """RaasWorker.sync_weights with a real Puller and store: the puller's copy moves on (in its pull thread)
     before the engine loads it, so a refused load is handed to the engine again at the next sync instead of
-    leaving it behind for good."""
+    leaving it behind for good. The refusal is one warning; the load that then succeeds says after how many."""
     import concurrent.futures
 
     from producers.engine_batcher import EngineBatcher
@@ -385,8 +386,10 @@ def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(
     puller = Puller(store, None, names, "actor")  # no bus: the newest version is the store listing's
     batcher = EngineBatcher(engine)
     worker = SimpleNamespace(id="raas-0", syncs={"actor": EngineSync(engine, puller)}, _pulls={},
-                             _pull_errors={}, batchers={"actor": batcher}, _loads={})
+                             _pull_errors={}, batchers={"actor": batcher}, _loads={}, _sync_failures={})
     worker._fetch = lambda policy, version: RaasWorker._fetch(worker, policy, version)
+    worker._sync_failed = lambda policy, error: RaasWorker._sync_failed(worker, policy, error)
+    caplog.set_level(logging.INFO, logger="producers.raas")
     RaasWorker.sync_weights(worker)  # starts the pull
     worker._pulls["actor"].join(30)
     RaasWorker.sync_weights(worker)  # hands the copy to the engine, on the engine's thread
@@ -397,6 +400,9 @@ def test_the_worker_keeps_its_version_when_the_engine_refuses_and_retries_later(
     RaasWorker.sync_weights(worker)
     assert engine.version == 1
     batcher.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("raas-0: keeping version 0 of actor"), warnings
+    assert "raas-0: policy actor now at version 1 (after 1 failed attempt(s))" in caplog.messages
 
 
 FAKE_LAUNCHER = r'''
