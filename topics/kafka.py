@@ -489,7 +489,11 @@ class KafkaConsumer(Consumer):
     def assign(self, partitions: list[TopicPartition]) -> None:
         partitions = [TopicPartition(*tp) for tp in partitions]
         self._resolve_default_seek(partitions)
-        self._c.assign([_tp(tp, self._pending.pop(tp, _INVALID_OFFSET)) for tp in partitions])
+        # A member of no group has no committed offset: start it at the beginning explicitly. Left to
+        # librdkafka (an invalid offset), it first asks the group coordinator for the made-up group's commits,
+        # and just after a broker restart the coordinator may not answer for a minute: nothing is read meanwhile.
+        start = _INVALID_OFFSET if self.group is not None else OFFSET_BEGINNING
+        self._c.assign([_tp(tp, self._pending.pop(tp, start)) for tp in partitions])
         self._assigned = set(partitions)
 
     def assignment(self) -> list[TopicPartition]:
