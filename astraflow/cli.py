@@ -28,9 +28,9 @@ OVERRIDES = typer.Argument(None, help="key=value overrides, e.g. policies.actor.
 def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Run a whole RL run on this machine: acquisition, RaaS workers, filter processors and trainers
     as separate processes, with a live view. Ends with a JSON summary line
-    {"run", "complete", "restarts", "steps", "versions", "reward_first", "reward_last", "dead_letters",
-    "wall_s"} ("interrupted" too after Ctrl-C or SIGTERM), where reward_first and reward_last are the mean
-    training reward over the first and the last 20% of trainer steps; metrics.jsonl and reward_curve.png are
+    {"run", "complete", "restarts", "steps", "versions", "reward_first", "reward_last", "reward_best",
+    "dead_letters", "wall_s"} ("interrupted" too after Ctrl-C or SIGTERM), where reward_first and reward_last are
+    the mean training reward over the first and the last 20% of trainer steps, reward_best the best such window; metrics.jsonl and reward_curve.png are
     written to the run directory. Exits 1 when the run did not complete, 2 when its config is refused."""
     from astraflow.launcher.preflight import ConfigRefused, check_run_config
     from astraflow.launcher.run import Launcher

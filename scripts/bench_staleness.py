@@ -80,7 +80,7 @@ def run_cell(staleness: int, correction: str, repeat: int, steps: int, extra: li
     rows = [json.loads(line) for line in (run_dir / "trainer.actor" / "metrics.jsonl").read_text().splitlines()]
     values = sorted((r for r in rows if "reward_mean" in r), key=lambda r: r["step"])
     rewards = [v["reward_mean"] for v in values]
-    first, last = reward_summary(list(enumerate(rewards)))
+    first, last, _ = reward_summary(list(enumerate(rewards)))
     out = {"gain": last - first, "wall_s": wall, "rewards": rewards}
     for key in STABILITY:
         xs = [v[key] for v in values if key in v]

