@@ -70,8 +70,10 @@ def test_search_tiny_learns_with_the_tool_at_its_latency(tmp_path):
     assert s["reward_best"] - s["reward_first"] >= 0.06, s
     assert {c["exit_code"] for c in json.loads((tmp_path / "components.json").read_text()).values()} == {0}
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    calls = max(m["values"].get("tool.search.calls_total", 0) for m in metrics if m.get("kind") == "raas")
-    assert calls >= 80 * 16 * 8 * 0.9, calls  # nearly every episode searched
+    # nearly every episode searched: the worker's last report's calls against its episodes (groups x G 8) then (a
+    # count against the 80 x 16 x 8 episodes trained missed the rollouts after the last report: 8785 in one CI run)
+    last = max((m["values"] for m in metrics if m.get("kind") == "raas"), key=lambda v: v.get("groups_total", 0))
+    assert last["tool.search.calls_total"] >= 0.9 * 8 * last["groups_total"] > 0.9 * 8 * 16 * 40, last
 
 
 @pytest.mark.slow
