@@ -37,6 +37,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class Placement(_Strict):
+    """Where one kind of component runs on the launcher's machine, as one would give it GPUs."""
+
+    cpus: list[Annotated[int, Field(strict=True, ge=0)]] | None = Field(
+        default=None, min_length=1, description="CPU ids it may run on (sched_setaffinity); default: any")
+    threads: int | None = Field(default=None, ge=1, description="its torch / OpenMP threads (OMP_NUM_THREADS); "
+                                "default: the launcher's OMP_NUM_THREADS, else 1")
+    nice: int | None = Field(default=None, ge=0, le=19, description="its niceness (setpriority), at least the "
+                             "launcher's: higher yields the CPU to the other components; default: the launcher's")
+
+
 class PolicyConfig(RolloutPolicyConfig):
     """One trained policy: its model, engine (:class:`~producers.config.RolloutPolicyConfig`), trainer and data
     policies."""
@@ -51,6 +62,8 @@ class PolicyConfig(RolloutPolicyConfig):
     filter_processor: FilterProcessorConfig = Field(default_factory=FilterProcessorConfig)
     serving: list[ServingSpec] = Field(default_factory=list, description="at most one serving policy, e.g. "
                                        "[{name: replay, ratio: 0.5}] (policies/config.py)")
+    trainer_placement: Placement = Field(default_factory=Placement, description="where its trainer runs: each "
+                                       "field set here replaces placement.trainer's (astraflow/placement.py)")
 
     @model_validator(mode="after")
     def _serving_within_bound(self) -> "PolicyConfig":
@@ -96,15 +109,6 @@ class TrackingConfig(_Strict):
         if "wandb_mode" in self.model_fields_set and self.wandb_mode is not None and self.wandb_project is None:
             raise ValueError(f"tracking.wandb_mode={self.wandb_mode} applies to W&B: set tracking.wandb_project")
         return self
-
-
-class Placement(_Strict):
-    """Where one kind of component runs on the launcher's machine, as one would give it GPUs."""
-
-    cpus: list[Annotated[int, Field(strict=True, ge=0)]] | None = Field(
-        default=None, min_length=1, description="CPU ids it may run on (sched_setaffinity); default: any")
-    threads: int | None = Field(default=None, ge=1, description="its torch / OpenMP threads (OMP_NUM_THREADS); "
-                                "default: the launcher's OMP_NUM_THREADS, else 1")
 
 
 class PlacementConfig(_Strict):

@@ -138,7 +138,7 @@ def two_core_bound(stages: dict[str, float], workers: int, cores: int = 2) -> fl
 
 
 def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s: float, place: list[str],
-                        first: int = 2) -> tuple[float, float]:
+                        extra: list[str], first: int = 2) -> tuple[float, float]:
     """The pipeline's steady-state seconds per iteration and the run's whole wall time (seconds).
 
     Raises:
@@ -153,7 +153,7 @@ def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s:
         # and 0.73 in two runs of 3 repetitions, against 0.75 and 0.77 here, the same afternoon)
         overrides = [f"run={run}", f"run_dir={run_dir}", f"data.n_samples={g}", f"raas.batch_prompts={batch}",
                      "raas.max_inflight_groups=null", "data.epochs=1", f"raas.workers={workers}",
-                     *placement_overrides(place)]
+                     *placement_overrides(place), *extra]
         for p in ("solver", "verifier"):
             overrides += [f"policies.{p}.steps={iters}", f"policies.{p}.batch_groups={batch}",
                           f"policies.{p}.checkpoint_every={CHECKPOINT_EVERY}"]
@@ -202,6 +202,8 @@ def main() -> None:
     ap.add_argument("--raas-workers", type=int, default=1, help="RaaS worker processes of the pipeline")
     ap.add_argument("--place", action="append", default=None, metavar="KIND=CPUS[:THREADS]",
                     help="the pipeline's placement (default none: the OS schedules the processes)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                    help="a run-config override for the pipeline, e.g. placement.raas.nice=10 (repeatable)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="limit of one pipeline run")
     a = ap.parse_args()
     a.place = a.place or []
@@ -209,7 +211,8 @@ def main() -> None:
     print(f"workload: solve_verify_retry on arith, tiny solver + tiny verifier, {iters} iterations of "
           f"{batch} prompts x G={g}; {os.cpu_count()} cores; sequential loop {a.threads} threads (best), "
           f"pipeline {a.raas_workers} RaaS worker(s), 1 thread per process, placement: "
-          f"{', '.join(a.place) or 'none (the OS schedules)'}", flush=True)
+          f"{', '.join(a.place) or 'none (the OS schedules)'}; overrides: {' '.join(a.overrides) or 'none'}",
+          flush=True)
     seq, pipe, bounds = [], [], []
     for r in range(a.repeats):
         tried = {}
@@ -220,7 +223,7 @@ def main() -> None:
             if t == 1:  # the pipeline's processes run one thread each: their stages cost what these do
                 bounds.append(two_core_bound(stages, a.raas_workers))
         seq.append(min(tried.values()))
-        value, wall = pipeline_s_per_iter(iters, batch, g, a.raas_workers, a.timeout_s, a.place)
+        value, wall = pipeline_s_per_iter(iters, batch, g, a.raas_workers, a.timeout_s, a.place, a.overrides)
         pipe.append(value)
         print(f"[{r}] dataflow pipeline:            {value:.3f} s/iter (whole run incl. start-up {wall:.1f} s)",
               flush=True)
@@ -241,6 +244,7 @@ def main() -> None:
                       "ratio": round(baseline / value, 3), "ratio_spread": ratio, "pipeline_s_per_iter": spread(pipe),
                       "sequential_s_per_iter": spread(seq),
                       "bounds": spread(bounds), "repeats": a.repeats, "placement": a.place,
+                      "overrides": a.overrides,
                       "bound": None if bound is None else round(bound, 4),
                       "efficiency": None if bound is None else round(bound / value, 3), "efficiency_runs": per_rep}))
 

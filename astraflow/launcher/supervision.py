@@ -22,7 +22,7 @@ from astraflow.config import RunConfig
 from astraflow.launched import EXIT_BAD_INPUT, LAUNCHER_PID_ENV
 from astraflow.launcher.outputs import write_components
 from astraflow.launcher.plan import Component
-from astraflow.placement import placement_env
+from astraflow.placement import component_placement, placement_env
 
 RESTART_BACKOFF_S = (1.0, 30.0)  # first back-off before a restart, doubling up to the second
 HEALTHY_S = 60.0          # a process that ran this long before it stopped puts its component's back-off back to 1 s
@@ -92,7 +92,7 @@ class Supervisor:
         comp.log.parent.mkdir(parents=True, exist_ok=True)
         env = dict(comp.env or os.environ, PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{LAUNCHER_PID_ENV: str(os.getpid())})
-        placement = getattr(self.cfg.placement, comp.kind, None)
+        placement = component_placement(self.cfg, comp.name, comp.kind)
         if placement is not None:  # vLLM servers are placed by their own options
             env.update(placement_env(placement))
         with open(comp.log, "ab") as log:
