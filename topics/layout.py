@@ -12,6 +12,7 @@ from typing import Iterable
 
 from topics.bus import Admin
 from topics.names import TopicNames
+from topics.schemas import Control, Message, PolicyState, TrainedBatch, TrainerProgress, WeightAnnouncement
 
 #: partitions of each plain topic of a run
 PARTITIONS = 4
@@ -20,12 +21,14 @@ PARTITIONS = 4
 @dataclass(frozen=True)
 class TopicSpec:
     """One topic as it is created: ``name``, ``partitions``, ``compacted`` (keep the newest record of each key)
-    and ``retention_ms`` (None: the bus's default)."""
+    and ``retention_ms`` (None: the bus's default); ``schemas``: the message classes its records hold, where the
+    layout fixes them (the changelogs; empty for the others)."""
 
     name: str
     partitions: int
     compacted: bool = False
     retention_ms: int | None = None
+    schemas: tuple[type[Message], ...] = ()
 
     def create(self, admin: Admin) -> None:
         """Create the topic through ``admin`` unless it exists (an existing topic is left as is).
@@ -71,25 +74,28 @@ class RunTopics:
 
     @property
     def weights(self) -> TopicSpec:
-        return TopicSpec(self.names.weights, 1, compacted=True)
+        return TopicSpec(self.names.weights, 1, compacted=True, schemas=(WeightAnnouncement,))
 
     @property
     def control(self) -> TopicSpec:
-        return TopicSpec(self.names.control, 1, compacted=True)
+        return TopicSpec(self.names.control, 1, compacted=True, schemas=(Control, TrainerProgress))
 
     @property
     def state(self) -> TopicSpec:
-        return TopicSpec(self.names.state, 1, compacted=True)
+        return TopicSpec(self.names.state, 1, compacted=True, schemas=(PolicyState,))
 
     @property
     def trained(self) -> TopicSpec:
-        return TopicSpec(self.names.trained, 1, compacted=True)
+        return TopicSpec(self.names.trained, 1, compacted=True, schemas=(TrainedBatch,))
+
+    def changelogs(self) -> list[TopicSpec]:
+        """The compacted changelogs, read whole by every component with no consumer group."""
+        return [self.weights, self.control, self.state, self.trained]
 
     def all(self, policies: Iterable[str]) -> list[TopicSpec]:
         """Every topic of the run with ``policies``."""
         per_policy = [spec for p in policies for spec in (self.trajectories(p), self.samples(p))]
-        return [self.prompts, self.outcomes, self.metrics, self.deadletter, *per_policy,
-                self.weights, self.control, self.state, self.trained]
+        return [self.prompts, self.outcomes, self.metrics, self.deadletter, *per_policy, *self.changelogs()]
 
 
 def ensure_run_topics(admin: Admin, names: TopicNames, policies: Iterable[str], partitions: int = PARTITIONS) -> None:

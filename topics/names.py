@@ -85,3 +85,9 @@ class TopicNames:
     def curator_group(self, policy: str) -> str:
         """Consumer group of ``policy``'s curator gate on ``outcomes``."""
         return self._name("curator", policy)
+
+    @property
+    def changelog_check_group(self) -> str:
+        """Consumer group of the launcher's check of the changelogs (``weights``, ``control``, ``state``,
+        ``trained``), which dead-letters their undecodable records once: ``<run>.changelog-check``."""
+        return self._name("changelog-check")

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.live import Live
 
 from astraflow.config import RunConfig
+from astraflow.launcher.changelog_check import ChangelogCheck
 from astraflow.launcher.filter_wedge import FilterWedgeWatch
 from astraflow.launcher.outputs import write_outputs
 from astraflow.launcher.plan import plan_components
@@ -42,6 +43,7 @@ class Launcher:
         self.scaler = RaasScaler(cfg, self.names, self.supervisor, self.console)
         self.watchdog = DataWatchdog(cfg, self.names, self.components, self.console)
         self.filter_wedge = FilterWedgeWatch(cfg, self.names, self.components, self.console)
+        self.changelog_check = ChangelogCheck(self.names)
 
     def run(self) -> dict:
         """Start everything, show the live view, stop cleanly; returns the summary dict
@@ -67,6 +69,7 @@ class Launcher:
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cleanly too
         view = LiveView(monitor, cfg.run, console, looks=(self.watchdog.look, self.filter_wedge.look,
+                                                           self.changelog_check.look,
                                                            lambda m: self.scaler.read_target(m.bus)))
         try:
             with Live(monitor.table(), console=console, refresh_per_second=2, transient=False) as live:
@@ -103,6 +106,8 @@ class Launcher:
                     monitor.close()
                     self.scaler.close()
                     self.watchdog.close()
+                    self.changelog_check.look(monitor, 1.0)  # what the components wrote last
+                    self.changelog_check.close()
                 except BusError as e:
                     console.print(f"[yellow]the last metrics could not be read: {e}[/]")
         wall = time.monotonic() - t0

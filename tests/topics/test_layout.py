@@ -2,6 +2,7 @@
 from topics.bus import connect
 from topics.layout import RunTopics, TopicSpec, ensure_run_topics
 from topics.names import TopicNames
+from topics.schemas import Control, PolicyState, TrainedBatch, TrainerProgress, WeightAnnouncement
 
 
 def test_the_layout_of_a_run_with_two_policies():
@@ -9,8 +10,10 @@ def test_the_layout_of_a_run_with_two_policies():
     assert specs == [TopicSpec("r.prompts", 3), TopicSpec("r.outcomes", 3), TopicSpec("r.metrics", 3),
                      TopicSpec("r.deadletter", 3), TopicSpec("r.trajectories.a", 3), TopicSpec("r.samples.a", 3),
                      TopicSpec("r.trajectories.b", 3), TopicSpec("r.samples.b", 3),
-                     TopicSpec("r.weights", 1, compacted=True), TopicSpec("r.control", 1, compacted=True),
-                     TopicSpec("r.state", 1, compacted=True), TopicSpec("r.trained", 1, compacted=True)]
+                     TopicSpec("r.weights", 1, compacted=True, schemas=(WeightAnnouncement,)),
+                     TopicSpec("r.control", 1, compacted=True, schemas=(Control, TrainerProgress)),
+                     TopicSpec("r.state", 1, compacted=True, schemas=(PolicyState,)),
+                     TopicSpec("r.trained", 1, compacted=True, schemas=(TrainedBatch,))]
 
 
 def test_ensure_run_topics_creates_each_as_specified_and_leaves_existing_ones(tmp_path):
