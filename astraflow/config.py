@@ -42,10 +42,11 @@ class Placement(_Strict):
 
     cpus: list[Annotated[int, Field(strict=True, ge=0)]] | None = Field(
         default=None, min_length=1, description="CPU ids it may run on (sched_setaffinity); default: any")
-    threads: int | None = Field(default=None, ge=1, description="its torch / OpenMP threads (OMP_NUM_THREADS); "
-                                "default: the launcher's OMP_NUM_THREADS, else 1")
-    nice: int | None = Field(default=None, ge=0, le=19, description="its niceness (setpriority), at least the "
-                             "launcher's: higher yields the CPU to the other components; default: the launcher's")
+    threads: int | None = Field(default=None, ge=1, strict=True, description="its torch / OpenMP threads "
+                                "(OMP_NUM_THREADS); default: the launcher's OMP_NUM_THREADS, else 1")
+    nice: int | None = Field(default=None, ge=0, le=19, strict=True,
+                             description="its niceness (setpriority), at least the launcher's: higher yields the CPU "
+                                         "to the other components; default: the launcher's")
 
 
 class PolicyConfig(RolloutPolicyConfig):

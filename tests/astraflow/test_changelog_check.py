@@ -1,5 +1,6 @@
 """Garbage on a changelog (``weights``, ``control``) is dead-lettered once by the launcher's check, whichever of the
-run's many group-less readers skip it, and a restarted launcher does not dead-letter it again."""
+run's many group-less readers skip it, and a restarted launcher does not dead-letter it again, even one that was
+killed between a dead letter and its commit."""
 import time
 import uuid
 
@@ -7,6 +8,7 @@ from astraflow.launcher.changelog_check import ChangelogCheck
 from astraflow.monitor import RunMonitor
 from topics.bus import connect, read_topic
 from topics.codec import decode, encode, headers_for
+from topics.deadletter import send_to_deadletter
 from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import DeadLetter, Metric, TrainerProgress, WeightAnnouncement
@@ -47,16 +49,22 @@ def test_bad_changelog_records_are_dead_lettered_once(bus_url):
     assert {letter.consumer_group for letter in letters} == {names.changelog_check_group}
 
     # a launcher restarted on the run resumes after what was checked: nothing is dead-lettered twice
-    producer.send(names.control, GARBAGE + b"2", key="trainer.actor")
+    # ... and a launcher killed after writing a record's dead letter, before committing it (offset 3 here)
+    for extra in (b"2", b"3", b"4"):
+        producer.send(names.control, GARBAGE + extra, key="trainer.actor")
+    producer.flush()
+    written = next(r for r in read_topic(bus, names.control) if r.offset == 3)
+    send_to_deadletter(producer, names.deadletter, written, "written by a launcher killed before its commit",
+                       names.changelog_check_group)
     producer.flush()
     producer.close()
     again = ChangelogCheck(names)
     deadline = time.monotonic() + 30
-    while again.rejected < 1 and time.monotonic() < deadline:
+    while again.rejected < 2 and time.monotonic() < deadline:
         again.look(monitor, timeout_s=0.5)
     again.close()
     monitor.close()
     letters = dead_letters(bus, names)
-    assert again.rejected == 1
+    assert again.rejected == 2
     assert sorted((letter.topic, letter.offset) for letter in letters) == [
-        (names.control, 0), (names.control, 2), (names.weights, 1)]
+        (names.control, 0), (names.control, 2), (names.control, 3), (names.control, 4), (names.weights, 1)]

@@ -62,7 +62,8 @@ def test_a_placement_on_cpus_this_machine_lacks_is_refused_before_anything_start
             _config(tmp_path, f"placement.trainer.cpus={cpus}")
     assert _config(tmp_path, "placement.trainer.cpus=[0]").placement.trainer.cpus == [0]
     for nice, error in (("20", "placement.raas.nice: Input should be less than or equal to 19"),
-                        ("-1", "placement.raas.nice: Input should be greater than or equal to 0")):
+                        ("-1", "placement.raas.nice: Input should be greater than or equal to 0"),
+                        ("true", "placement.raas.nice: Input should be a valid integer")):  # not 1
         with pytest.raises(ConfigError, match=error.replace(".", r"\.")):
             _config(tmp_path, f"placement.raas.nice={nice}")
 
