@@ -42,7 +42,10 @@ def test_a_broker_outage_is_ridden_out(tmp_path, private_broker):
     # restart) and full snapshots had one byte form (a retried publish was refused as other bytes, and the trainer
     # held at that version), the trainer was restarted in 2 of 3 runs; after, 0 restarts of any component in 4.
     components = json.loads((run_dir / "components.json").read_text())
-    assert {c: v["restarts"] for c, v in components.items()} == dict.fromkeys(components, 0), components
+    restarted = [c for c, v in components.items() if v["restarts"]]
+    # seen once in CI (raas-0 restarted, cause not found): the restarted components' logs say why
+    why = {c: (run_dir / "logs" / f"{c}.log").read_text()[-6000:] for c in restarted}
+    assert not restarted, (components, [line for line in err.splitlines() if "restart" in line or "exit" in line], why)
     assert "the bus answers again after" in (run_dir / "logs" / "acquire.log").read_text()
     # the trainer redid no step: it logged each step once
     trained = [json.loads(line)["step"] for line in (run_dir / "trainer.actor" / "metrics.jsonl").open()]
