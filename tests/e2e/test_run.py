@@ -70,10 +70,11 @@ def test_search_tiny_learns_with_the_tool_at_its_latency(tmp_path):
     assert s["reward_best"] - s["reward_first"] >= 0.06, s
     assert {c["exit_code"] for c in json.loads((tmp_path / "components.json").read_text()).values()} == {0}
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    # nearly every episode searched: the worker's last report's calls against its episodes (groups x G 8) then (a
-    # count against the 80 x 16 x 8 episodes trained missed the rollouts after the last report: 8785 in one CI run)
+    # most episodes searched: the worker's last report's calls against its episodes (groups x G 8) then (a count
+    # against the 80 x 16 x 8 episodes trained missed the rollouts after the last report: 8785 in one CI run). The
+    # policy may learn to answer without a search: one CI run made 8682 calls in 1333 x 8 episodes (0.81 each)
     last = max((m["values"] for m in metrics if m.get("kind") == "raas"), key=lambda v: v.get("groups_total", 0))
-    assert last["tool.search.calls_total"] >= 0.9 * 8 * last["groups_total"] > 0.9 * 8 * 16 * 40, last
+    assert last["tool.search.calls_total"] >= 0.6 * 8 * last["groups_total"] > 0.6 * 8 * 16 * 40, last
 
 
 @pytest.mark.slow
