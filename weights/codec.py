@@ -34,7 +34,9 @@ frame_bytes: [positions frame, values frame]}``. Integer arrays are stored
 small differences leave their high planes almost all zero, which zstd shrinks to
 nearly nothing, and the low planes go through its Huffman coder. Level 1 is the
 default: on bf16 deltas level 3 is no smaller and half as fast
-(``scripts/bench_weights.py``).
+(``scripts/bench_weights.py``). At level 1 the match finder is cut down
+(:data:`FAST_PARAMETERS`): these planes hold few real repeats, and short matches
+found in noise cost more than the literals they replace.
 
 Format 1 (read only, written until 2026-12): entry ``{name, dtype, shape,
 count, index_bytes, frame_bytes}``, one frame per tensor holding ``gaps ||
@@ -46,6 +48,9 @@ before anything is applied. The ``sha256`` in the header is
 :func:`state_sha256` of the *resulting* full parameters (sha256 over
 per-tensor xxh3-128 digests), the value
 :class:`topics.schemas.WeightAnnouncement` carries.
+
+Finding a tensor's changed elements and applying them are compiled loops
+(:mod:`weights.kernels`).
 
 A **full snapshot** is a safetensors file whose metadata holds ``version`` and
 ``sha256``.
@@ -87,7 +92,7 @@ VALUES = ("raw", "xor", "diff")
 #: Value codings that need the exact base to decode.
 BASE_RELATIVE = frozenset({"xor", "diff"})
 #: A tensor with more changes than this picks its value coding on its first this many.
-VALUE_SAMPLE = 1 << 12
+VALUE_SAMPLE = 1 << 10
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -142,10 +147,11 @@ class StateHasher:
     def __init__(self) -> None:
         self._h = hashlib.sha256()
 
-    def update(self, name: str, t: torch.Tensor, raw: np.ndarray | None = None) -> None:
-        """Add tensor ``name``; ``raw`` is ``bits(t)`` when the caller already has it."""
+    def update(self, name: str, t: torch.Tensor, raw: np.ndarray | None = None, digest: bytes | None = None) -> None:
+        """Add tensor ``name``; ``raw`` is ``bits(t)`` and ``digest`` the xxh3-128 digest of its bytes when the
+        caller already has them."""
         self._h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        self._h.update(xxhash.xxh3_128_digest(bits(t) if raw is None else raw))
+        self._h.update(digest or xxhash.xxh3_128_digest(bits(t) if raw is None else raw))
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
@@ -177,15 +183,6 @@ def _split(arr: np.ndarray) -> np.ndarray:
     return out.reshape(-1)
 
 
-def _join(buf: np.ndarray, width: int, count: int) -> np.ndarray:
-    """Inverse of :func:`_split`: (width*count,) uint8 -> a new (count,) array of unsigned ints of ``width`` bytes."""
-    out = np.empty((count, width), np.uint8)
-    planes = buf.reshape(width, count)
-    for k in range(width):
-        out[:, k] = planes[k]
-    return out.view(_UINT[width]).reshape(-1)
-
-
 def _zigzag(d: np.ndarray) -> np.ndarray:
     """Zigzag of wrapping differences (n,) uint of width w, read as signed: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ..."""
     neg = d >> (8 * d.itemsize - 1)
@@ -193,41 +190,6 @@ def _zigzag(d: np.ndarray) -> np.ndarray:
     out = d << 1
     out ^= neg
     return out
-
-
-def _unzigzag(z: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`_zigzag` (new array, same dtype)."""
-    neg = z & 1
-    np.negative(neg, out=neg)
-    out = z >> 1
-    out ^= neg
-    return out
-
-
-def _changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The elements whose bits differ between two same-dtype flat arrays (n,): ``(sorted indices int64,
-    their old bits, their new bits)``.
-
-    Compares 8-byte words first and looks inside the differing words only: at a few percent changed this
-    is faster than a per-element ``flatnonzero`` followed by two gathers over the whole arrays.
-    """
-    shift = (8 // old.itemsize).bit_length() - 1  # log2 of the elements per word
-    head = old.size >> shift << shift
-    old_words, new_words = old[:head].view(np.uint64), new[:head].view(np.uint64)
-    words = np.flatnonzero(old_words != new_words)
-    old_rows = np.take(old_words, words).view(old.dtype)
-    new_rows = np.take(new_words, words).view(old.dtype)
-    inner = np.flatnonzero(old_rows != new_rows)
-    idx = np.take(words, inner >> shift)
-    idx <<= shift
-    idx |= inner & ((1 << shift) - 1)
-    old_values, new_values = np.take(old_rows, inner), np.take(new_rows, inner)
-    if head < old.size:
-        tail = np.flatnonzero(old[head:] != new[head:]) + head
-        idx = np.concatenate([idx, tail])
-        old_values = np.concatenate([old_values, old[tail]])
-        new_values = np.concatenate([new_values, new[tail]])
-    return idx, old_values, new_values
 
 
 def _value_payloads(old: np.ndarray, new: np.ndarray, codings=VALUES) -> dict[str, np.ndarray]:
@@ -258,13 +220,25 @@ class Delta:
         return 1.0 - self.changed / self.total if self.total else 1.0
 
 
+#: zstd's parameters at level 1: its fast strategy with a 64-entry hash table (stock: 16 Ki entries) and 7-byte
+#: minimum matches. On the byte planes of bf16 deltas at lr 1e-6 (``scripts/bench_weights.py``'s model) this
+#: compresses 20% faster than stock level 1 and 2% smaller.
+FAST_PARAMETERS = dict(window_log=18, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
+                       strategy=zstandard.STRATEGY_FAST)
+
+
 class _Frames:
     """zstd compression of one delta's frames: one-shot below ``MT_MIN_BYTES``, zstd's worker threads above."""
 
     def __init__(self, level: int, threads: int):
-        # the object's own check covers the frames: zstd's content checksum would only cost time
-        self._one = zstandard.ZstdCompressor(level=level, write_checksum=False)
-        self._mt = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=False)
+        def compressor(workers: int) -> zstandard.ZstdCompressor:
+            # the object's own check covers the frames: zstd's content checksum would only cost time
+            if level == 1:
+                return zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
+                    threads=workers, write_checksum=0, **FAST_PARAMETERS))
+            return zstandard.ZstdCompressor(level=level, threads=workers, write_checksum=False)
+
+        self._one, self._mt = compressor(0), compressor(threads)
 
     def compress(self, payload: np.ndarray) -> bytes:
         return (self._mt if payload.size >= MT_MIN_BYTES else self._one).compress(payload)
@@ -331,15 +305,17 @@ def encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
     h = StateHasher()
     base_h = StateHasher() if base_sha256 is None else None
     entries, frames, size, changed, total, codings = [], [], 0, 0, 0, {}
+    from weights.kernels import ScanBuffers, changed_elements  # numba: imported by the codec's users only
+    scan_buffers = ScanBuffers(max((t.numel() for t in new.values()), default=0))
     for name in sorted(new):
         a, b = old[name], new[name]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise WeightFormatError(f"tensor {name!r}: old {tuple(a.shape)} {a.dtype} vs new {tuple(b.shape)} {b.dtype}")
         ab, bb = bits(a), bits(b)
-        h.update(name, b, bb)
+        idx, base_values, new_values, digest = changed_elements(ab, bb, scan_buffers)
+        h.update(name, b, digest=digest)
         if base_h is not None:
             base_h.update(name, a, ab)
-        idx, base_values, new_values = _changes(ab, bb)
         entry = {"name": name, "dtype": dtype_name(b), "shape": list(b.shape), "count": int(idx.size)}
         if idx.size:
             gaps = np.empty_like(idx)
@@ -473,37 +449,21 @@ def _decompress(dec: zstandard.ZstdDecompressor, frame, expect: int, what: str) 
 
 
 def _decode_tensor(dec: zstandard.ZstdDecompressor, data, pos: int, t: dict, flat: np.ndarray, fmt: int,
-                   what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Decode one tensor's frames at ``data[pos:]``: ``(flat indices int64, their base bits, their new bits)``."""
+                   what: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """Decompress one tensor's frames at ``data[pos:]``: ``(positions, value planes (itemsize, n) uint8,
+    value coding)``, the positions as :func:`weights.kernels.apply_changes` takes them (gap planes
+    (index_bytes, n) uint8, or a bitmap (ceil(size / 8),) uint8)."""
     n, iw, vw = t["count"], t["index_bytes"], flat.itemsize
     if fmt == 1:
         raw = _decompress(dec, data[pos:pos + t["frame_bytes"]], n * (iw + vw), what)
-        gaps, values, coding = raw[:n * iw], _join(raw[n * iw:], vw, n), "raw"
+        return raw[:n * iw].reshape(iw, n), raw[n * iw:].reshape(vw, n), "raw"
+    pos_bytes, val_bytes = t["frame_bytes"]
+    if t["positions"] == "gaps":
+        positions = _decompress(dec, data[pos:pos + pos_bytes], n * iw, what).reshape(iw, n)
     else:
-        pos_bytes, val_bytes = t["frame_bytes"]
-        if t["positions"] == "gaps":
-            gaps = _decompress(dec, data[pos:pos + pos_bytes], n * iw, what)
-        else:
-            bitmap = _decompress(dec, data[pos:pos + pos_bytes], (flat.size + 7) // 8, what)
-            gaps = None
-            idx = np.flatnonzero(np.unpackbits(bitmap, count=flat.size, bitorder="little"))
-            if idx.size != n:
-                raise WeightFormatError(f"{what}: bitmap marks {idx.size} elements, header says {n}")
-        values = _join(_decompress(dec, data[pos + pos_bytes:pos + pos_bytes + val_bytes], n * vw, what), vw, n)
-        coding = t["values"]
-    if gaps is not None:
-        idx = _join(gaps, iw, n).astype(np.int64)
-        np.cumsum(idx, out=idx)
-        # gaps are unsigned, so the indices rise; only 8-byte gaps can wrap past int64
-        if idx[-1] >= flat.size or (iw == 8 and (idx.min() < 0 or np.any(idx[1:] < idx[:-1]))):
-            raise WeightFormatError(f"{what}: index out of range ({flat.size} elements)")
-    base = np.take(flat, idx)
-    if coding == "xor":
-        values = values ^ base
-    elif coding == "diff":
-        values = _unzigzag(values)
-        values += base
-    return idx, base, values
+        positions = _decompress(dec, data[pos:pos + pos_bytes], (flat.size + 7) // 8, what)
+    values = _decompress(dec, data[pos + pos_bytes:pos + pos_bytes + val_bytes], n * vw, what).reshape(vw, n)
+    return positions, values, t["values"]
 
 
 def apply_delta(data: bytes, tensors: MutableMapping[str, torch.Tensor], *,
@@ -548,6 +508,7 @@ def apply_delta(data: bytes, tensors: MutableMapping[str, torch.Tensor], *,
         if list(local.shape) != list(t["shape"]) or dtype_name(local) != t["dtype"]:
             raise WeightFormatError(f"{label}: tensor {t['name']!r} is {t['shape']} {t['dtype']} in the delta, "
                                     f"{list(local.shape)} {dtype_name(local)} locally")
+    from weights.kernels import apply_changes  # numba: imported by the codec's users only
     dec = zstandard.ZstdDecompressor()
     undo: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     pos = hdr.frames_offset
@@ -556,10 +517,13 @@ def apply_delta(data: bytes, tensors: MutableMapping[str, torch.Tensor], *,
             if not t["count"]:
                 continue
             flat = bits(tensors[t["name"]])
-            idx, old, values = _decode_tensor(dec, data, pos, t, flat, hdr.format, f"{label}: tensor {t['name']!r}")
+            what = f"{label}: tensor {t['name']!r}"
+            positions, values, coding = _decode_tensor(dec, data, pos, t, flat, hdr.format, what)
             pos += t["frame_bytes"] if hdr.format == 1 else sum(t["frame_bytes"])
+            idx, old, error = apply_changes(flat, positions, values, coding)
             undo.append((flat, idx, old))
-            flat[idx] = values
+            if error:
+                raise WeightFormatError(f"{what}: {error}")
         got = state_sha256(tensors)
         if got != hdr.sha256:
             raise ChecksumMismatch(f"{label}: result sha256 {got[:12]} != {hdr.sha256[:12]} (local base is not version "

@@ -1,0 +1,102 @@
+"""The compiled kernels of the delta codec: the change scan finds exactly the elements numpy finds, across slices
+and ragged tails, for every element width, and hashes as xxh3-128 does in one call; applying changes writes every
+value coding bit-exactly at gap or bitmap positions, keeps the undo log, and stops at positions that do not fit."""
+import numpy as np
+import pytest
+import xxhash
+
+from weights.kernels import SLICE_WORDS, ScanBuffers, apply_changes, changed_elements
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.03, 0.5, 1.0])
+def test_changed_elements_match_numpy_across_slices_and_tails(dtype, density):
+    rng = np.random.default_rng(7)
+    per = 8 // np.dtype(dtype).itemsize
+    n = 2 * SLICE_WORDS * per + 3 * per + per - 1  # two full slices, a short one, and a ragged tail
+    old = rng.integers(0, np.iinfo(dtype).max, n, dtype=dtype, endpoint=True)
+    new = old.copy()
+    hit = rng.random(n) < density
+    hit[[0, n - 1, SLICE_WORDS * per - 1, SLICE_WORDS * per]] = density > 0  # both ends and a slice boundary
+    new[hit] ^= rng.integers(1, np.iinfo(dtype).max, int(hit.sum()), dtype=dtype, endpoint=True)  # nonzero flip
+    buffers = ScanBuffers(n)
+    idx, old_values, new_values, digest = changed_elements(old, new, buffers)
+    expect = np.flatnonzero(hit)
+    assert idx.dtype == np.int64 and old_values.dtype == dtype and new_values.dtype == dtype
+    np.testing.assert_array_equal(idx, expect)
+    np.testing.assert_array_equal(old_values, old[expect])
+    np.testing.assert_array_equal(new_values, new[expect])
+    assert digest == xxhash.xxh3_128_digest(new)
+
+
+def test_short_and_empty_arrays():
+    buffers = ScanBuffers(8)
+    for old, new in [(np.array([], np.uint16), np.array([], np.uint16)),
+                     (np.array([1, 2, 3], np.uint16), np.array([1, 5, 3], np.uint16))]:
+        idx, old_values, new_values, digest = changed_elements(old, new, buffers)
+        np.testing.assert_array_equal(idx, np.flatnonzero(old != new))
+        np.testing.assert_array_equal(new_values, new[old != new])
+        assert digest == xxhash.xxh3_128_digest(new)
+
+
+def split_planes(a: np.ndarray) -> np.ndarray:
+    """(n,) unsigned -> (itemsize, n) uint8 byte planes, low byte first."""
+    return np.ascontiguousarray(a.view(np.uint8).reshape(-1, a.itemsize).T)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+@pytest.mark.parametrize("coding", ["raw", "xor", "diff"])
+def test_apply_changes_writes_every_coding_bit_exactly_and_keeps_the_undo_log(dtype, coding):
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, np.iinfo(dtype).max, 1000, dtype=dtype, endpoint=True)
+    base[:4] = [0, np.iinfo(dtype).max, 1, np.iinfo(dtype).max - 1]  # differences that wrap both ways
+    target = rng.integers(0, np.iinfo(dtype).max, 1000, dtype=dtype, endpoint=True)
+    target[:4] = [np.iinfo(dtype).max, 0, np.iinfo(dtype).max, 0]
+    idx = np.sort(rng.choice(1000, 300, replace=False))
+    idx[:4] = [0, 1, 2, 3]
+    idx.sort()
+    new = target[idx]
+    diff = new - base[idx]  # wrapping
+    zigzag = (diff << dtype(1)) ^ (-(diff >> dtype(8 * base.itemsize - 1))).astype(dtype)
+    coded = {"raw": new, "xor": new ^ base[idx], "diff": zigzag}[coding]
+    gaps = np.diff(idx, prepend=0).astype(np.uint16)
+    flat = base.copy()
+    got_idx, old, error = apply_changes(flat, split_planes(gaps), split_planes(coded), coding)
+    assert error is None
+    np.testing.assert_array_equal(flat[idx], new)
+    np.testing.assert_array_equal(np.delete(flat, idx), np.delete(base, idx))
+    np.testing.assert_array_equal(got_idx, idx)
+    np.testing.assert_array_equal(old, base[idx])
+
+
+def test_apply_changes_stops_at_an_index_out_of_range():
+    flat = np.arange(10, dtype=np.uint16)
+    gaps = np.array([2, 3, 9, 1], np.uint8)  # indices 2, 5, 14 (out of range), 15
+    values = np.array([100, 101, 102, 103], np.uint16)
+    idx, old, error = apply_changes(flat, split_planes(gaps), split_planes(values), "raw")
+    assert error == "index out of range (10 elements)"
+    np.testing.assert_array_equal(idx, [2, 5])
+    np.testing.assert_array_equal(old, [2, 5])
+    assert flat[2] == 100 and flat[5] == 101
+
+
+def test_apply_changes_at_bitmap_positions_and_a_bitmap_that_does_not_fit():
+    flat = np.arange(20, dtype=np.uint32)
+    marks = np.zeros(24, bool)
+    marks[[1, 8, 9, 19]] = True
+    bitmap = np.packbits(marks, bitorder="little")
+    values = np.array([100, 101, 102, 103], np.uint32)
+    idx, old, error = apply_changes(flat, bitmap, split_planes(values), "raw")
+    assert error is None
+    np.testing.assert_array_equal(idx, [1, 8, 9, 19])
+    np.testing.assert_array_equal(old, [1, 8, 9, 19])
+    np.testing.assert_array_equal(flat[[1, 8, 9, 19]], values)
+    marks[21] = True  # a mark in the last byte's padding, past the tensor's end
+    flat = np.arange(20, dtype=np.uint32)
+    idx, old, error = apply_changes(flat, np.packbits(marks, bitorder="little"), split_planes(np.append(values, 104)),
+                                    "raw")
+    assert error == "bitmap marks an element past the end (20 elements)"
+    np.testing.assert_array_equal(idx, [1, 8, 9, 19])  # applied before it: the caller restores them
+    flat = np.arange(20, dtype=np.uint32)
+    _, _, error = apply_changes(flat, np.packbits(marks, bitorder="little"), split_planes(values), "raw")
+    assert error == "bitmap marks 5 elements, header says 4"
