@@ -173,29 +173,18 @@ def state_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _split(arr: np.ndarray) -> np.ndarray:
-    """Byte-plane split of a 1-D integer array (n,) of width w: (w*n,) uint8, all low bytes first."""
-    width = arr.itemsize
-    out = np.empty((width, arr.size), np.uint8)
-    as_bytes = arr.view(np.uint8).reshape(-1, width)
-    for k in range(width):  # one strided pass per plane: several times faster than a transposed copy
-        out[k] = as_bytes[:, k]
-    return out.reshape(-1)
+def _kernels():
+    """:mod:`weights.kernels`, imported on first use: importing numba takes ~0.4 s, which processes that never
+    encode or decode a delta (the launcher, the CLI) do not pay."""
+    from weights import kernels
 
-
-def _zigzag(d: np.ndarray) -> np.ndarray:
-    """Zigzag of wrapping differences (n,) uint of width w, read as signed: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ..."""
-    neg = d >> (8 * d.itemsize - 1)
-    np.negative(neg, out=neg)  # all ones where d < 0
-    out = d << 1
-    out ^= neg
-    return out
+    return kernels
 
 
 def _value_payloads(old: np.ndarray, new: np.ndarray, codings=VALUES) -> dict[str, np.ndarray]:
-    """The byte-plane split values of each coding in ``codings`` (module docstring), from old and new bits (n,)."""
-    make = {"raw": lambda: new, "xor": lambda: old ^ new, "diff": lambda: _zigzag(new - old)}
-    return {c: _split(make[c]()) for c in codings}
+    """The byte-plane split values (itemsize * n,) uint8 of each coding in ``codings`` (module docstring), from
+    old and new bits (n,)."""
+    return {c: _kernels().value_planes(old, new, c).reshape(-1) for c in codings}
 
 
 @dataclass
@@ -222,7 +211,7 @@ class Delta:
 
 #: zstd's parameters at level 1: its fast strategy with a 64-entry hash table (stock: 16 Ki entries) and 7-byte
 #: minimum matches. On the byte planes of bf16 deltas at lr 1e-6 (``scripts/bench_weights.py``'s model) this
-#: compresses 20% faster than stock level 1 and 2% smaller.
+#: compresses 15% faster than stock level 1 and 2% smaller.
 FAST_PARAMETERS = dict(window_log=18, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
                        strategy=zstandard.STRATEGY_FAST)
 
@@ -270,10 +259,11 @@ def encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
                  coding: tuple[str, str] | None = None) -> Delta | None:
     """Encode the bit-exact sparse delta turning ``old`` into ``new`` (format :data:`FORMAT`).
 
-    Works tensor by tensor: peak extra memory is a byte per 8-byte word of the
-    largest tensor, about 40 bytes per changed element of it (indices, gaps,
-    values and their codings), and the compressed output. Each tensor's
-    positions and values take their smallest coding (module docstring).
+    Works tensor by tensor: peak extra memory is the scan's buffers (24 bytes per
+    element of the largest tensor reserved, touched as far as its changes reach),
+    about 30 bytes per changed element of the largest tensor (gaps, values and
+    their codings), and the compressed output. Each tensor's positions and values
+    take their smallest coding (module docstring).
 
     Args:
         old, new: the same names, shapes and dtypes; contiguous CPU tensors.
@@ -305,26 +295,24 @@ def encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
     h = StateHasher()
     base_h = StateHasher() if base_sha256 is None else None
     entries, frames, size, changed, total, codings = [], [], 0, 0, 0, {}
-    from weights.kernels import ScanBuffers, changed_elements  # numba: imported by the codec's users only
-    scan_buffers = ScanBuffers(max((t.numel() for t in new.values()), default=0))
+    kernels = _kernels()
+    scan_buffers = kernels.ScanBuffers(max((t.numel() for t in new.values()), default=0))
     for name in sorted(new):
         a, b = old[name], new[name]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise WeightFormatError(f"tensor {name!r}: old {tuple(a.shape)} {a.dtype} vs new {tuple(b.shape)} {b.dtype}")
         ab, bb = bits(a), bits(b)
-        idx, base_values, new_values, digest = changed_elements(ab, bb, scan_buffers)
+        idx, base_values, new_values, digest = kernels.changed_elements(ab, bb, scan_buffers)
         h.update(name, b, digest=digest)
         if base_h is not None:
             base_h.update(name, a, ab)
         entry = {"name": name, "dtype": dtype_name(b), "shape": list(b.shape), "count": int(idx.size)}
         if idx.size:
-            gaps = np.empty_like(idx)
-            gaps[0] = idx[0]
-            np.subtract(idx[1:], idx[:-1], out=gaps[1:])
-            width = next(w for w in (1, 2, 4, 8) if int(gaps.max()) < (1 << (8 * w)))
+            gaps = kernels.gap_planes(idx)
+            width = gaps.shape[0]
             positions = {}
             if coding is None or coding[0] == "gaps":
-                positions["gaps"] = _split(gaps.astype(_UINT[width]))
+                positions["gaps"] = gaps.reshape(-1)
             # the bitmap is tried where it is smaller than the gaps before compression (a dense tensor)
             if (coding is None and bb.size < 8 * positions["gaps"].size) or (coding and coding[0] == "bitmap"):
                 changed_mask = np.zeros(bb.size, bool)
@@ -508,7 +496,6 @@ def apply_delta(data: bytes, tensors: MutableMapping[str, torch.Tensor], *,
         if list(local.shape) != list(t["shape"]) or dtype_name(local) != t["dtype"]:
             raise WeightFormatError(f"{label}: tensor {t['name']!r} is {t['shape']} {t['dtype']} in the delta, "
                                     f"{list(local.shape)} {dtype_name(local)} locally")
-    from weights.kernels import apply_changes  # numba: imported by the codec's users only
     dec = zstandard.ZstdDecompressor()
     undo: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     pos = hdr.frames_offset
@@ -520,7 +507,7 @@ def apply_delta(data: bytes, tensors: MutableMapping[str, torch.Tensor], *,
             what = f"{label}: tensor {t['name']!r}"
             positions, values, coding = _decode_tensor(dec, data, pos, t, flat, hdr.format, what)
             pos += t["frame_bytes"] if hdr.format == 1 else sum(t["frame_bytes"])
-            idx, old, error = apply_changes(flat, positions, values, coding)
+            idx, old, error = _kernels().apply_changes(flat, positions, values, coding)
             undo.append((flat, idx, old))
             if error:
                 raise WeightFormatError(f"{what}: {error}")

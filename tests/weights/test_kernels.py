@@ -1,11 +1,12 @@
 """The compiled kernels of the delta codec: the change scan finds exactly the elements numpy finds, across slices
-and ragged tails, for every element width, and hashes as xxh3-128 does in one call; applying changes writes every
-value coding bit-exactly at gap or bitmap positions, keeps the undo log, and stops at positions that do not fit."""
+and ragged tails, for every element width, and hashes as xxh3-128 does in one call; gaps and values are coded and
+byte-plane split as numpy does it; applying changes writes every value coding bit-exactly at gap or bitmap positions,
+keeps the undo log, and stops at positions that do not fit."""
 import numpy as np
 import pytest
 import xxhash
 
-from weights.kernels import SLICE_WORDS, ScanBuffers, apply_changes, changed_elements
+from weights.kernels import SLICE_WORDS, ScanBuffers, apply_changes, changed_elements, gap_planes, value_planes
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
@@ -46,7 +47,7 @@ def split_planes(a: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
 @pytest.mark.parametrize("coding", ["raw", "xor", "diff"])
-def test_apply_changes_writes_every_coding_bit_exactly_and_keeps_the_undo_log(dtype, coding):
+def test_every_coding_is_written_as_numpy_codes_it_and_applied_bit_exactly_with_an_undo_log(dtype, coding):
     rng = np.random.default_rng(3)
     base = rng.integers(0, np.iinfo(dtype).max, 1000, dtype=dtype, endpoint=True)
     base[:4] = [0, np.iinfo(dtype).max, 1, np.iinfo(dtype).max - 1]  # differences that wrap both ways
@@ -59,6 +60,7 @@ def test_apply_changes_writes_every_coding_bit_exactly_and_keeps_the_undo_log(dt
     diff = new - base[idx]  # wrapping
     zigzag = (diff << dtype(1)) ^ (-(diff >> dtype(8 * base.itemsize - 1))).astype(dtype)
     coded = {"raw": new, "xor": new ^ base[idx], "diff": zigzag}[coding]
+    np.testing.assert_array_equal(value_planes(base[idx], new, coding), split_planes(coded))
     gaps = np.diff(idx, prepend=0).astype(np.uint16)
     flat = base.copy()
     got_idx, old, error = apply_changes(flat, split_planes(gaps), split_planes(coded), coding)
@@ -100,3 +102,12 @@ def test_apply_changes_at_bitmap_positions_and_a_bitmap_that_does_not_fit():
     flat = np.arange(20, dtype=np.uint32)
     _, _, error = apply_changes(flat, np.packbits(marks, bitorder="little"), split_planes(values), "raw")
     assert error == "bitmap marks 5 elements, header says 4"
+
+
+@pytest.mark.parametrize("largest, width", [(255, 1), (256, 2), (65535, 2), (65536, 4), (1 << 32, 8)])
+def test_gap_planes_take_the_narrowest_width(largest, width):
+    idx = np.array([3, 4, 4 + largest, 10 + largest], np.int64)
+    planes = gap_planes(idx)
+    assert planes.shape == (width, 4) and planes.dtype == np.uint8
+    gaps = (planes.astype(np.uint64) << (8 * np.arange(width, dtype=np.uint64))[:, None]).sum(axis=0)
+    np.testing.assert_array_equal(gaps, [3, 1, largest, 6])
