@@ -84,8 +84,14 @@ def server_env(base: dict[str, str], kv_cache_gib: float = 1.0) -> dict[str, str
     executor by ``mp`` (a third process) unless it is 0 (``vllm/platforms/cpu.py``). The OpenAI server's engine
     core stays a process of its own either way (``AsyncLLM`` always uses the multiprocess client); an ``mp``
     executor, chosen for more than one worker, is unaffected. Measured with the tiny model on 2 idle cores:
-    healthy after 36 s instead of 56 s, and its engine test's requests 9 s instead of 17 s."""
+    healthy after 36 s instead of 56 s, and its engine test's requests 9 s instead of 17 s.
+
+    ``NUMBA_CACHE_DIR`` (unless ``base`` sets it): ``.cache/numba-vllm`` of this repository. The vLLM venv pins
+    another numba than the main one, and numba keeps one compiled copy of a function per cache directory,
+    tagged with its version: sharing the in-tree cache, each would recompile the delta codec's kernels
+    (``weights/kernels.py``) after the other had."""
     env = dict(base, VLLM_SERVER_DEV_MODE="1")
+    env.setdefault("NUMBA_CACHE_DIR", str(ROOT / ".cache" / "numba-vllm"))
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
