@@ -1,15 +1,20 @@
 """The delta codec round-trips bit-exactly through every coding, reads the previous format, and rejects corrupt
 objects and wrong bases without touching the weights."""
+import re
 import shutil
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 import torch
+import xxhash
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from topics.names import TopicNames
+from weights import codec
 from weights.codec import (POSITIONS, VALUES, BaseMismatch, ChecksumMismatch, WeightFormatError, apply_delta, bits,
                            encode_delta, load_full, read_header, save_full, state_sha256)
 from weights.puller import Puller
@@ -182,6 +187,51 @@ def test_every_flipped_bit_is_detected(coding):
         with pytest.raises(WeightFormatError):
             apply_delta(bytes(damaged), local)
         assert_bit_equal(local, old)
+
+
+def repack(hdr, frames: list[bytes]) -> bytes:
+    """A format-2 object from a header's fields and per-tensor frames, with a valid xxh3 check (a well-formed object
+    whose content may be wrong)."""
+    tensors = [dict(t) for t in hdr.tensors]
+    it = iter(frames)
+    for t in tensors:
+        if t["count"]:
+            t["frame_bytes"] = [len(next(it)), len(next(it))]
+    header = msgpack.packb({"sha256": hdr.sha256, "base_sha256": hdr.base_sha256, "tensors": tensors},
+                           use_bin_type=True)
+    body = codec._PREFIX.pack(codec.MAGIC, codec.FORMAT, 0, hdr.base_version, hdr.version, len(header)) + header
+    check = xxhash.xxh3_64(body)
+    for f in frames:
+        check.update(f)
+    return body + codec._CHECK.pack(check.intdigest()) + b"".join(frames)
+
+
+@pytest.mark.parametrize("positions", ["gaps", "bitmap"])
+def test_well_formed_positions_past_a_tensor_are_refused_and_earlier_tensors_restored(pair, positions):
+    """Positions past the end of the last tensor, in an object whose check holds: refused with the tensor named, and
+    the tensors applied before it restored bit-exactly."""
+    old, new, _ = pair
+    d = encode_delta(old, new, base_version=0, version=1, coding=(positions, "raw"))
+    hdr = read_header(d.data)
+    frames, pos = [], hdr.frames_offset
+    for t in hdr.tensors:
+        for n in t["frame_bytes"]:
+            frames.append(d.data[pos:pos + n])
+            pos += n
+    b = hdr.tensors[-1]  # "b": 100 float32, one change at index 3
+    assert b["name"] == "b" and b["count"] == 1
+    if positions == "gaps":
+        frames[-2] = zstandard.ZstdCompressor().compress(bytes([103]))  # index 103 of 100
+        expect = "index out of range (100 elements)"
+    else:
+        bitmap = np.zeros(104, bool)
+        bitmap[[3, 101]] = True  # a second mark in the last byte's padding
+        frames[-2] = zstandard.ZstdCompressor().compress(np.packbits(bitmap, bitorder="little").tobytes())
+        expect = "bitmap marks 2 elements, header says 1"
+    local = clone(old)
+    with pytest.raises(WeightFormatError, match=re.escape(f"delta 0->1: tensor 'b': {expect}")):
+        apply_delta(repack(hdr, frames), local)
+    assert_bit_equal(local, old)
 
 
 def test_wrong_base_is_refused_naming_the_versions(pair):
