@@ -79,8 +79,6 @@ _PREFIX = struct.Struct("<4sHHqqI")
 #: Bytes to read from the start of a delta object to learn its base version and version (any format).
 PREFIX_BYTES = _PREFIX.size
 _CHECK = struct.Struct("<Q")
-#: Hard cap on one decompressed frame, bytes (guards against a malformed object).
-MAX_FRAME_BYTES = 1 << 40
 
 #: Frames at least this large are compressed by zstd's worker threads; below it threads cost more than they save.
 MT_MIN_BYTES = 8 << 20
@@ -259,10 +257,9 @@ def encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
                  coding: tuple[str, str] | None = None) -> Delta | None:
     """Encode the bit-exact sparse delta turning ``old`` into ``new`` (format :data:`FORMAT`).
 
-    Works tensor by tensor: peak extra memory is the scan's buffers (24 bytes per
-    element of the largest tensor reserved, touched as far as its changes reach),
-    about 30 bytes per changed element of the largest tensor (gaps, values and
-    their codings), and the compressed output. Each tensor's positions and values
+    Works tensor by tensor: peak extra memory is about 50 bytes per changed element
+    of the tensor with the most changes (the scan's buffers, gaps, values and their
+    codings; at least 24 MB) and the compressed output. Each tensor's positions and values
     take their smallest coding (module docstring).
 
     Args:
@@ -296,7 +293,7 @@ def encode_delta(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
     base_h = StateHasher() if base_sha256 is None else None
     entries, frames, size, changed, total, codings = [], [], 0, 0, 0, {}
     kernels = _kernels()
-    scan_buffers = kernels.ScanBuffers(max((t.numel() for t in new.values()), default=0))
+    scan_buffers = kernels.ScanBuffers(1 << 20)  # the scan grows them where a tensor needs more
     for name in sorted(new):
         a, b = old[name], new[name]
         if a.shape != b.shape or a.dtype != b.dtype:
@@ -382,17 +379,23 @@ def _read_prefix(data: bytes) -> tuple[int, int, int, int]:
 
 def _check_entry(t: dict, fmt: int) -> int:
     """Validate one header entry; returns the bytes of its frames."""
-    if not isinstance(t["name"], str) or t["dtype"] not in _DTYPES or t["count"] < 0:
+    if not isinstance(t["name"], str) or t["dtype"] not in _DTYPES or not _natural(t["count"]):
         raise ValueError(f"bad entry for {t.get('name')!r}")
     if not t["count"]:
         return 0
-    if t["index_bytes"] not in _UINT:
+    if not _natural(t["index_bytes"]) or t["index_bytes"] not in _UINT:
         raise ValueError(f"bad index_bytes for {t['name']!r}")
-    if fmt == 1:
-        return int(t["frame_bytes"])
-    if t["positions"] not in POSITIONS or t["values"] not in VALUES or len(t["frame_bytes"]) != 2:
+    sizes = [t["frame_bytes"]] if fmt == 1 else t["frame_bytes"]
+    if not isinstance(sizes, list) or len(sizes) != (1 if fmt == 1 else 2) or not all(map(_natural, sizes)):
+        raise ValueError(f"bad frame_bytes for {t['name']!r}")
+    if fmt >= 2 and (t["positions"] not in POSITIONS or t["values"] not in VALUES):
         raise ValueError(f"bad coding for {t['name']!r}")
-    return sum(int(n) for n in t["frame_bytes"])
+    return sum(sizes)
+
+
+def _natural(v) -> bool:
+    """``v`` is a non-negative int (not a bool, which Python counts as one)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def read_header(data: bytes) -> DeltaHeader:
@@ -428,7 +431,10 @@ def read_header(data: bytes) -> DeltaHeader:
 def _decompress(dec: zstandard.ZstdDecompressor, frame, expect: int, what: str) -> np.ndarray:
     """One zstd frame (format 1: its content checksum verified) as a uint8 array of exactly ``expect`` bytes."""
     try:
-        raw = np.frombuffer(dec.decompress(frame, max_output_size=MAX_FRAME_BYTES), np.uint8)
+        declared = zstandard.frame_content_size(frame)  # -1: not in the frame's header
+        if declared not in (-1, expect):
+            raise WeightFormatError(f"{what}: frame holds {declared} bytes, expected {expect}")
+        raw = np.frombuffer(dec.decompress(frame, max_output_size=expect), np.uint8)
     except zstandard.ZstdError as e:
         raise WeightFormatError(f"{what}: corrupt zstd frame ({e})") from None
     if raw.size != expect:
@@ -442,6 +448,8 @@ def _decode_tensor(dec: zstandard.ZstdDecompressor, data, pos: int, t: dict, fla
     value coding)``, the positions as :func:`weights.kernels.apply_changes` takes them (gap planes
     (index_bytes, n) uint8, or a bitmap (ceil(size / 8),) uint8)."""
     n, iw, vw = t["count"], t["index_bytes"], flat.itemsize
+    if n > flat.size:
+        raise WeightFormatError(f"{what}: {n} changes in a tensor of {flat.size} elements")
     if fmt == 1:
         raw = _decompress(dec, data[pos:pos + t["frame_bytes"]], n * (iw + vw), what)
         return raw[:n * iw].reshape(iw, n), raw[n * iw:].reshape(vw, n), "raw"

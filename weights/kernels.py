@@ -28,11 +28,23 @@ import xxhash
 #: Value codings known to :func:`apply_changes` (:data:`weights.codec.VALUES`), by kernel code.
 CODING_CODES = {"raw": 0, "xor": 1, "diff": 2}
 
+def _kernel(**options):
+    """``numba.njit`` for this module's kernels: no GIL, no bounds checks, cached on disk; compiled in each
+    process instead where numba finds no writable cache directory (a read-only install with an unwritable
+    home), which it reports by raising ``RuntimeError`` when a cached function is defined."""
+    def decorate(function):
+        try:
+            return numba.njit(cache=True, nogil=True, boundscheck=False, **options)(function)
+        except RuntimeError:
+            return numba.njit(cache=False, nogil=True, boundscheck=False, **options)(function)
+    return decorate
+
+
 #: 8-byte words per slice: two slices and the kernel's scratch (256 KiB each) stay in a core's L2 cache.
 SLICE_WORDS = 1 << 15
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@_kernel()
 def _slice_changes(old, new, old_words, new_words, first, scratch, idx, old_values, new_values, count):
     """Append the changed elements of one slice to ``idx``/``old_values``/``new_values`` from ``count`` on.
 
@@ -57,11 +69,12 @@ def _slice_changes(old, new, old_words, new_words, first, scratch, idx, old_valu
 
 
 class ScanBuffers:
-    """Outputs of :func:`changed_elements` for tensors of up to ``elements`` elements of up to 8 bytes.
+    """Outputs of :func:`changed_elements`: room for ``elements`` changed elements of up to 8 bytes, grown as a
+    scan needs (it needs room for a whole slice beyond the changes found so far).
 
-    Allocated once per delta, not per tensor, so that their pages are faulted in once (a fresh page costs
-    the kernel a fault and a zeroing). Arrays returned by a scan are views into these buffers, valid until
-    the next scan.
+    Made once per delta, not per tensor, so that their pages are faulted in once (a fresh page costs the
+    kernel a fault and a zeroing). Arrays returned by a scan are views into these buffers, valid until the
+    next scan.
     """
 
     def __init__(self, elements: int):
@@ -70,6 +83,16 @@ class ScanBuffers:
         self.new_values = np.empty(elements, np.uint64)
         self.scratch = np.empty(SLICE_WORDS, np.int32)  # word offsets within a slice
 
+    def reserve(self, elements: int, keep: int) -> None:
+        """Make room for at least ``elements`` (doubling), keeping the first ``keep`` of each buffer."""
+        if elements <= self.idx.size:
+            return
+        size = max(elements, 2 * self.idx.size)
+        for name in ("idx", "old_values", "new_values"):
+            grown = np.empty(size, getattr(self, name).dtype)
+            grown[:keep] = getattr(self, name)[:keep]
+            setattr(self, name, grown)
+
 
 def changed_elements(old: np.ndarray, new: np.ndarray,
                      buffers: ScanBuffers) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes]:
@@ -77,7 +100,7 @@ def changed_elements(old: np.ndarray, new: np.ndarray,
 
     Args:
         old, new: (n,) arrays of the same unsigned dtype (uint8/16/32/64: :func:`weights.codec.bits`).
-        buffers: at least ``n`` elements (:class:`ScanBuffers`).
+        buffers: where the results go (:class:`ScanBuffers`, grown as needed).
 
     Returns:
         ``(idx, old_values, new_values, digest)``: the sorted flat indices (k,) int64 of the changed elements,
@@ -87,23 +110,25 @@ def changed_elements(old: np.ndarray, new: np.ndarray,
     per = 8 // old.itemsize
     head = old.size // per * per
     old_words, new_words = old[:head].view(np.uint64), new[:head].view(np.uint64)
-    idx = buffers.idx
-    old_values, new_values = buffers.old_values.view(old.dtype), buffers.new_values.view(old.dtype)
     digest = xxhash.xxh3_128()
     count = 0
     for word in range(0, old_words.size, SLICE_WORDS):
         end = min(word + SLICE_WORDS, old_words.size)
+        buffers.reserve(count + (end - word) * per, keep=count)  # the kernel writes a slot for every element
         count = _slice_changes(old[word * per:end * per], new[word * per:end * per], old_words[word:end],
-                               new_words[word:end], word * per, buffers.scratch, idx, old_values, new_values, count)
+                               new_words[word:end], word * per, buffers.scratch, buffers.idx,
+                               buffers.old_values.view(old.dtype), buffers.new_values.view(old.dtype), count)
         digest.update(new_words[word:end])  # while the slice is in cache
     digest.update(new[head:])
+    buffers.reserve(count + old.size - head, keep=count)
+    idx, old_values, new_values = buffers.idx, buffers.old_values.view(old.dtype), buffers.new_values.view(old.dtype)
     for j in np.flatnonzero(old[head:] != new[head:]) + head:  # fewer than 8 trailing elements
         idx[count], old_values[count], new_values[count] = j, old[j], new[j]
         count += 1
     return idx[:count], old_values[:count], new_values[:count], digest.digest()
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@_kernel()
 def _max_gap(idx):
     """The largest of idx[0] and the differences of consecutive elements of ``idx`` (n,) int64, n >= 1."""
     largest = idx[0]
@@ -112,7 +137,7 @@ def _max_gap(idx):
     return largest
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@_kernel()
 def _write_gap_planes(idx, planes):
     """Write the gaps of ``idx`` (n,) into ``planes`` (width, n), byte k of every gap in row k."""
     previous = 0
@@ -140,7 +165,7 @@ def gap_planes(idx: np.ndarray) -> np.ndarray:
     return planes
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@_kernel()
 def _write_value_planes(old, new, coding, mask, planes):
     """Code each change (raw, xor or diff: :data:`CODING_CODES`) and write byte k of it into ``planes[k]``."""
     top = np.uint64(8 * planes.shape[0] - 1)
@@ -174,7 +199,7 @@ def value_planes(old: np.ndarray, new: np.ndarray, coding: str) -> np.ndarray:
     return planes
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@_kernel(inline="always")
 def _write(flat, position, value_planes, i, coding, mask, idx, old):
     """Decode change ``i`` of ``value_planes`` against the bits at ``flat[position]``, write it, log the undo."""
     value = np.uint64(0)
@@ -190,24 +215,30 @@ def _write(flat, position, value_planes, i, coding, mask, idx, old):
     flat[position] = value & mask
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@_kernel()
 def _apply_gaps(flat, gap_planes, value_planes, coding, mask, idx, old):
-    """Apply changes at gap-coded positions; returns how many were applied (all, or up to the first index out
-    of range)."""
+    """Apply changes at gap-coded positions; returns how many were applied: all, or those before the first
+    position out of range or not above the previous one (so that no position is written twice and the undo log
+    holds every element's original bits)."""
     n = idx.size
     position = np.uint64(0)
     for i in range(n):
         gap = np.uint64(0)
         for k in range(gap_planes.shape[0]):
             gap |= np.uint64(gap_planes[k, i]) << np.uint64(8 * k)
-        position = gap if i == 0 else position + gap  # wraps past 2^64 only on a malformed object
+        if i == 0:
+            position = gap
+        elif gap == 0 or position + gap < position:  # a repeated position, or one past 2^64 (malformed objects)
+            return i
+        else:
+            position += gap
         if position >= flat.size:
             return i
         _write(flat, position, value_planes, i, coding, mask, idx, old)
     return n
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@_kernel()
 def _apply_bitmap(flat, bitmap, value_planes, coding, mask, idx, old):
     """Apply changes at the positions a bitmap marks (little bit order). Returns ``(applied, marks)``: changes
     are applied in order until ``idx.size`` are, or until a mark falls outside ``flat``; every mark is counted."""
@@ -250,7 +281,7 @@ def apply_changes(flat: np.ndarray, positions: np.ndarray, value_planes: np.ndar
     mask = np.uint64((1 << (8 * flat.itemsize)) - 1)
     if positions.ndim == 2:
         applied = _apply_gaps(flat, positions, value_planes, CODING_CODES[coding], mask, idx, old)
-        error = None if applied == n else f"index out of range ({flat.size} elements)"
+        error = None if applied == n else f"index out of range or not increasing ({flat.size} elements)"
     else:
         applied, marks = _apply_bitmap(flat, positions, value_planes, CODING_CODES[coding], mask, idx, old)
         error = None if applied == marks == n else (

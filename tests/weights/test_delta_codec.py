@@ -189,14 +189,15 @@ def test_every_flipped_bit_is_detected(coding):
         assert_bit_equal(local, old)
 
 
-def repack(hdr, frames: list[bytes]) -> bytes:
+def repack(hdr, frames: list[bytes], **last) -> bytes:
     """A format-2 object from a header's fields and per-tensor frames, with a valid xxh3 check (a well-formed object
-    whose content may be wrong)."""
+    whose content may be wrong); ``last`` overrides fields of the last tensor's entry."""
     tensors = [dict(t) for t in hdr.tensors]
     it = iter(frames)
     for t in tensors:
         if t["count"]:
             t["frame_bytes"] = [len(next(it)), len(next(it))]
+    tensors[-1].update(last)
     header = msgpack.packb({"sha256": hdr.sha256, "base_sha256": hdr.base_sha256, "tensors": tensors},
                            use_bin_type=True)
     body = codec._PREFIX.pack(codec.MAGIC, codec.FORMAT, 0, hdr.base_version, hdr.version, len(header)) + header
@@ -213,16 +214,12 @@ def test_well_formed_positions_past_a_tensor_are_refused_and_earlier_tensors_res
     old, new, _ = pair
     d = encode_delta(old, new, base_version=0, version=1, coding=(positions, "raw"))
     hdr = read_header(d.data)
-    frames, pos = [], hdr.frames_offset
-    for t in hdr.tensors:
-        for n in t["frame_bytes"]:
-            frames.append(d.data[pos:pos + n])
-            pos += n
+    frames = frames_of(d.data)
     b = hdr.tensors[-1]  # "b": 100 float32, one change at index 3
     assert b["name"] == "b" and b["count"] == 1
     if positions == "gaps":
         frames[-2] = zstandard.ZstdCompressor().compress(bytes([103]))  # index 103 of 100
-        expect = "index out of range (100 elements)"
+        expect = "index out of range or not increasing (100 elements)"
     else:
         bitmap = np.zeros(104, bool)
         bitmap[[3, 101]] = True  # a second mark in the last byte's padding
@@ -231,6 +228,33 @@ def test_well_formed_positions_past_a_tensor_are_refused_and_earlier_tensors_res
     local = clone(old)
     with pytest.raises(WeightFormatError, match=re.escape(f"delta 0->1: tensor 'b': {expect}")):
         apply_delta(repack(hdr, frames), local)
+    assert_bit_equal(local, old)
+
+
+def frames_of(data: bytes) -> list[bytes]:
+    hdr = read_header(data)
+    frames, pos = [], hdr.frames_offset
+    for t in hdr.tensors:
+        for n in t["frame_bytes"]:
+            frames.append(data[pos:pos + n])
+            pos += n
+    return frames
+
+
+@pytest.mark.parametrize("entry, expect", [
+    (dict(count=2), "index out of range or not increasing"),  # with gaps [3, 0]: index 3 twice
+    (dict(count=101), "101 changes in a tensor of 100 elements"),
+    (dict(count=1.0), "bad entry"), (dict(count=True), "bad entry"), (dict(index_bytes=True), "bad index_bytes"),
+    (dict(frame_bytes=[1.0, 2]), "bad frame_bytes")])
+def test_well_formed_entries_that_do_not_fit_are_refused_and_weights_untouched(pair, entry, expect):
+    old, new, _ = pair
+    d = encode_delta(old, new, base_version=0, version=1, coding=("gaps", "raw"))
+    frames = frames_of(d.data)
+    if entry == dict(count=2):  # tensor "b": 100 float32
+        frames[-2:] = [zstandard.ZstdCompressor().compress(bytes([3, 0])), zstandard.ZstdCompressor().compress(bytes(8))]
+    local = clone(old)
+    with pytest.raises(WeightFormatError, match=re.escape(expect)):
+        apply_delta(repack(read_header(d.data), frames, **entry), local)
     assert_bit_equal(local, old)
 
 

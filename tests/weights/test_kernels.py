@@ -2,11 +2,13 @@
 and ragged tails, for every element width, and hashes as xxh3-128 does in one call; gaps and values are coded and
 byte-plane split as numpy does it; applying changes writes every value coding bit-exactly at gap or bitmap positions,
 keeps the undo log, and stops at positions that do not fit."""
+import numba
 import numpy as np
 import pytest
 import xxhash
 
-from weights.kernels import SLICE_WORDS, ScanBuffers, apply_changes, changed_elements, gap_planes, value_planes
+from weights.kernels import (SLICE_WORDS, ScanBuffers, _kernel, apply_changes, changed_elements, gap_planes,
+                             value_planes)
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
@@ -20,7 +22,7 @@ def test_changed_elements_match_numpy_across_slices_and_tails(dtype, density):
     hit = rng.random(n) < density
     hit[[0, n - 1, SLICE_WORDS * per - 1, SLICE_WORDS * per]] = density > 0  # both ends and a slice boundary
     new[hit] ^= rng.integers(1, np.iinfo(dtype).max, int(hit.sum()), dtype=dtype, endpoint=True)  # nonzero flip
-    buffers = ScanBuffers(n)
+    buffers = ScanBuffers(SLICE_WORDS // 2)  # grown by the scan
     idx, old_values, new_values, digest = changed_elements(old, new, buffers)
     expect = np.flatnonzero(hit)
     assert idx.dtype == np.int64 and old_values.dtype == dtype and new_values.dtype == dtype
@@ -76,7 +78,7 @@ def test_apply_changes_stops_at_an_index_out_of_range():
     gaps = np.array([2, 3, 9, 1], np.uint8)  # indices 2, 5, 14 (out of range), 15
     values = np.array([100, 101, 102, 103], np.uint16)
     idx, old, error = apply_changes(flat, split_planes(gaps), split_planes(values), "raw")
-    assert error == "index out of range (10 elements)"
+    assert error == "index out of range or not increasing (10 elements)"
     np.testing.assert_array_equal(idx, [2, 5])
     np.testing.assert_array_equal(old, [2, 5])
     assert flat[2] == 100 and flat[5] == 101
@@ -111,3 +113,25 @@ def test_gap_planes_take_the_narrowest_width(largest, width):
     assert planes.shape == (width, 4) and planes.dtype == np.uint8
     gaps = (planes.astype(np.uint64) << (8 * np.arange(width, dtype=np.uint64))[:, None]).sum(axis=0)
     np.testing.assert_array_equal(gaps, [3, 1, largest, 6])
+
+
+@pytest.mark.parametrize("gaps, width", [([5, 0], 1), ([5, 2**64 - 1, 1], 8)])
+def test_apply_changes_stops_at_a_repeated_position_so_the_undo_log_is_exact(gaps, width):
+    """A gap of 0, or 8-byte gaps that wrap past 2^64 onto an earlier index, would write an element twice and log
+    its first new value as its original: refused at the repeat."""
+    flat = np.zeros(16, np.uint16)
+    planes = split_planes(np.array(gaps, dtype=f"uint{8 * width}"))
+    idx, old, error = apply_changes(flat, planes, split_planes(np.arange(1, len(gaps) + 1, dtype=np.uint16)), "raw")
+    assert error == "index out of range or not increasing (16 elements)"
+    np.testing.assert_array_equal(idx, [5])
+    flat[idx] = old
+    assert not flat.any()
+
+
+def test_a_kernel_numba_cannot_cache_is_compiled_per_process():
+    """Functions numba finds no cache directory for (here: defined in code without a file) still compile."""
+    namespace = {}
+    exec("def twice(x):\n    return 2 * x\n", namespace)
+    with pytest.raises(RuntimeError, match="cannot cache"):
+        numba.njit(cache=True)(namespace["twice"])
+    assert _kernel()(namespace["twice"])(21) == 42
