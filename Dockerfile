@@ -21,6 +21,11 @@ COPY trainer/ trainer/
 COPY weights/ weights/
 COPY examples/ examples/
 RUN bash scripts/install.sh dev && rm -rf /root/.cache/uv
+# compile the delta codec's kernels (weights/kernels.py) into the image for bf16 and fp32 weights, so that a new
+# container's first delta does not wait for numba (a few seconds)
+RUN .venv/bin/python -c "import torch; from weights.codec import apply_delta, encode_delta; \
+    [apply_delta(encode_delta({'w': torch.zeros(64, dtype=d)}, {'w': torch.ones(64, dtype=d)}, base_version=0, \
+    version=1).data, {'w': torch.zeros(64, dtype=d)}) for d in (torch.bfloat16, torch.float32)]"
 ENV PATH=/app/.venv/bin:$PATH PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 ENTRYPOINT ["astraflow"]
 CMD ["--help"]
