@@ -36,6 +36,10 @@ SERVED_NAME = "astraflow"
 EXTENSION = "producers.vllm_worker.AstraflowWorkerExtension"
 
 
+#: Starts of a :class:`VLLMServer` that lost the port it chose to another process before binding it.
+PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -152,21 +156,53 @@ class VLLMServer:
         python = Path(python) if python is not None else ROOT / ".venv-vllm" / "bin" / "python"
         if not python.exists():
             raise FileNotFoundError(f"no vLLM venv interpreter at {python}: run scripts/install_vllm.sh")
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(server_argv(python, model_dir, self.port, dtype, max_model_len, extra),
-                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env=server_env(dict(os.environ), kv_cache_gib), start_new_session=True)
+        self._argv = lambda p: server_argv(python, model_dir, p, dtype, max_model_len, extra)
+        self._env = server_env(dict(os.environ), kv_cache_gib)
+        self._own_port = port is None
+        self._start(port or free_port())
+
+    def _start(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self._log_start = self._log.tell()
+        self.proc = subprocess.Popen(self._argv(port), stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env=self._env, start_new_session=True)
 
     def wait_healthy(self, timeout_s: float = 600.0) -> float:
         """Seconds until the server answered ``/health`` (see :func:`wait_healthy`; the message of a failure
-        carries the log's tail)."""
-        try:
-            return wait_healthy(self.url, timeout_s, alive=lambda: self.proc.poll() is None)
-        except RuntimeError as e:
-            raise RuntimeError(f"{e}; last lines of {self.log_path}:\n{self.log_tail()}") from None
+        carries the log's tail).
+
+        A port this server chose itself (:func:`free_port`) can be taken by another process before the server
+        binds it: a server that exits with "Address already in use" is started again on another free port, up
+        to :data:`PORT_ATTEMPTS` times in all, within the same ``timeout_s``."""
+        start, attempt = time.monotonic(), 1
+        while True:
+            try:
+                wait_healthy(self.url, max(timeout_s - (time.monotonic() - start), 1.0),
+                             alive=lambda: self.proc.poll() is None)
+                return time.monotonic() - start
+            except RuntimeError as e:
+                lost_port = self.proc.poll() is not None and "Address already in use" in self._this_start_log()
+                if not (self._own_port and lost_port and attempt < PORT_ATTEMPTS):
+                    raise RuntimeError(f"{e}; last lines of {self.log_path}:\n{self.log_tail()}") from None
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # whatever the failed start left in its group
+            except ProcessLookupError:
+                pass
+            self._log.write(f"[astraflow] port {self.port} was taken before the server bound it; starting it "
+                            f"again on another port\n".encode())
+            self._log.flush()
+            self._start(free_port())
+            attempt += 1
+
+    def _this_start_log(self) -> str:
+        """What the server wrote since it was last started."""
+        self._log.flush()
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            return f.read().decode(errors="replace")
 
     def log_tail(self, lines: int = 40) -> str:
         """The last ``lines`` lines of the server's log."""

@@ -2,6 +2,7 @@
 behaviour logprobs equal the trainer's recompute on the same weights, and a weight update, pulled by the
 server itself from the store (a full snapshot, then a sparse delta), changes what it generates while parity
 holds; a wrong checksum is refused with the old weights kept."""
+import socket
 import threading
 import time
 import uuid
@@ -14,6 +15,7 @@ import torch
 from producers.engines import EngineUpdateError, GenerationInterrupted, SamplingParams
 from producers.hf_engine import HFEngine
 from producers.vllm_engine import VLLMEngine
+from producers import vllm_server
 from producers.vllm_server import VLLMServer, server_argv
 from producers.workflows import prompt_ids
 from topics.bus import connect
@@ -29,9 +31,24 @@ SAMPLING = SamplingParams(max_new_tokens=6, temperature=0.6, seed=0)
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
+    """The module's server. Its first start gets a port another socket holds, as when another process takes the
+    port a server chose before the server binds it (seen in CI): it must come up on another port."""
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with VLLMServer(tiny_model_dir, log, dtype="float32", max_model_len=256) as s:
-        s.wait_healthy(600)
+    real_free_port = vllm_server.free_port
+    with socket.socket() as taken, pytest.MonkeyPatch.context() as mp:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        ports = iter([held])
+        mp.setattr(vllm_server, "free_port", lambda: next(ports, None) or real_free_port())
+        s = VLLMServer(tiny_model_dir, log, dtype="float32", max_model_len=256)
+        try:
+            s.wait_healthy(600)
+        except BaseException:
+            s.stop()
+            raise
+    assert s.port != held and f"port {held} was taken before the server bound it" in log.read_text()
+    with s:
         yield s
 
 
