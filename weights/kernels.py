@@ -17,7 +17,8 @@ left is mostly reading and writing the tensor's cache lines once, in order (the 
 Coding the changes (gaps, and values raw, XOR or zigzag difference) and splitting them into byte planes is
 one loop each too, where numpy took three to five passes.
 
-Kernels are compiled once per element width and cached on disk (numba's ``cache=True``).
+Kernels are compiled once per element width and cached on disk (numba's ``cache=True``) where numba finds a
+writable cache directory (:func:`_kernel`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import xxhash
 
 #: Value codings known to :func:`apply_changes` (:data:`weights.codec.VALUES`), by kernel code.
 CODING_CODES = {"raw": 0, "xor": 1, "diff": 2}
+
 
 def _kernel(**options):
     """``numba.njit`` for this module's kernels: no GIL, no bounds checks, cached on disk; compiled in each
@@ -40,7 +42,7 @@ def _kernel(**options):
     return decorate
 
 
-#: 8-byte words per slice: two slices and the kernel's scratch (256 KiB each) stay in a core's L2 cache.
+#: 8-byte words per slice: two slices (256 KiB each) and the kernel's scratch (128 KiB) stay in a core's L2 cache.
 SLICE_WORDS = 1 << 15
 
 
