@@ -32,6 +32,7 @@ class DataWatchdog:
         self.cfg, self.names, self.components, self.console = cfg, names, components, console
         self._stall: dict[str, tuple[int | None, float, float]] = {}  # policy -> (version, since, last told)
         self._progress: LatestByKey | None = None  # the trainers' TrainerProgress on control, once needed
+        self._trained: dict[str, int] = {}  # policy -> the version its TrainerProgress last said it trained
         #: set when a trainer can get no more data (:meth:`look`); the run then fails with it
         self.data_exhausted: str | None = None
 
@@ -50,8 +51,10 @@ class DataWatchdog:
             if trainer.proc is not None and trainer.proc.poll() == 0:
                 continue
             version, since, told = self._stall.get(p, (None, now, now))
-            if view.version != version:
-                self._stall[p] = (view.version, now, now)
+            # the trainer's metrics can reach the live view after its progress: the newer of the two counts
+            current = max(view.version, self._trained.get(p, 0))
+            if current != version:
+                self._stall[p] = (current, now, now)
                 continue
             if now - told < self.cfg.watchdog_s:
                 continue
@@ -63,7 +66,7 @@ class DataWatchdog:
             held = "; ".join(([f"paused: {', '.join(paused)} (reason in their logs)"] if paused else [])
                              + ([f"held by astraflow control: "
                                  f"{', '.join(f'{w} ({how})' for w, how in controlled.items())}"] if controlled else []))
-            if self._starved(monitor, p, lags, now - since, view.step_s):
+            if self._starved(monitor, p, lags, version, now - since, view.step_s):
                 self.data_exhausted = (
                     f"the data ran out: trainer.{p} has been at version {version} of {self.cfg.policies[p].steps} "
                     f"for {now - since:.0f} s, acquisition has sent every prompt and all were rolled out and "
@@ -71,17 +74,22 @@ class DataWatchdog:
                     f"policies.{p}.steps")
                 self.console.print(f"[bold red]watchdog: {self.data_exhausted}[/]")
                 return
+            if self._stall[p][0] != version:
+                continue  # its progress is at a newer version: the stall starts again there
             self.console.print(f"[bold yellow]watchdog: trainer.{p} has been at version {version} for "
                                f"{now - since:.0f} s;[/] samples.{p} lag {samples} (committed), trajectories.{p} lag "
                                f"{filtered}; " + (held or "no RaaS worker reports a pause"))
 
-    def _starved(self, monitor: RunMonitor, policy: str, lags: dict, stalled_s: float, step_s: float | None) -> bool:
-        """Whether trainer ``policy`` can get no more data: acquisition has finished, every prompt has been rolled
-        out and filtered (committed lags 0), the trainer holds less than a batch (its :class:`TrainerProgress`
-        against the end offsets of ``samples.<policy>``, less one transaction marker per partition), and it has
-        been stalled for over 3 of its newest step times (a step can outlast ``watchdog_s``). The trainer's progress
-        is read to the end of ``control`` at each look, so a starved trainer is told at the first look after the
-        stall. Unknowns (a bus that does not answer, no progress yet) are not starvation."""
+    def _starved(self, monitor: RunMonitor, policy: str, lags: dict, version: int, stalled_s: float,
+                 step_s: float | None) -> bool:
+        """Whether trainer ``policy``, stalled at ``version`` for ``stalled_s`` seconds, can get no more data:
+        acquisition has finished, every prompt has been rolled out and filtered (committed lags 0), the trainer
+        holds less than a batch (its :class:`TrainerProgress` against the end offsets of ``samples.<policy>``, less
+        one transaction marker per partition), and it has been stalled for over 3 of its newest step times (a step
+        can outlast ``watchdog_s``). The trainer's progress is read to the end of ``control`` at each look, so a
+        starved trainer is told at the first look after the stall. A progress at a newer version than the live
+        view's (whose trainer metrics came late) starts the stall again at that version: the verdict names the
+        version the trainer is at. Unknowns (a bus that does not answer, no progress yet) are not starvation."""
         acquire = next((c for c in self.components if c.kind == "acquire"), None)
         if acquire is None or acquire.proc is None or acquire.proc.poll() != 0 or stalled_s < 3 * (step_s or 0.0):
             return False
@@ -96,6 +104,11 @@ class DataWatchdog:
             progress = self._progress.read_to_end(timeout_s=PROGRESS_READ_S).get(f"trainer.{policy}")
             ends = monitor.admin.end_offsets(self.names.samples(policy))
         except BusError:
+            return False
+        if progress is not None and progress.version > version:
+            self._trained[policy] = progress.version
+            now = time.monotonic()
+            self._stall[policy] = (progress.version, now, now)
             return False
         return (progress is not None and not progress.at_barrier
                 and sum(ends.values()) - len(ends) - progress.consumed < self.cfg.policies[policy].batch_groups)
