@@ -88,7 +88,6 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     """Run one rollout worker: join the `raas.<workflow>` consumer group on `prompts`, roll out,
     write groups to `trajectories.<policy>`. Start more to scale out; SIGTERM stops it cleanly."""
     from astraflow.worker_commands import WORKER_ID
-    from producers.raas import RaasWorker
 
     if not re.fullmatch(WORKER_ID, worker_id):
         typer.echo(f"--worker-id {worker_id!r}: use 1-64 letters, digits, '.', '_' or '-'", err=True)
@@ -100,6 +99,8 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         typer.echo(f"--vllm-url {bad[0]!r}: give POLICY=URL, POLICY one of {sorted(cfg.policies)}", err=True)
         raise typer.Exit(2)
     stop = setup_component(f"raas-{worker_id}", cfg)
+    from producers.raas import RaasWorker  # after the setup: a SIGTERM while torch loads stops it cleanly
+
     RaasWorker(cfg.raas_section(), worker_id, vllm_urls=vllm_urls, search_url=search_url).run(stop)
 
 
@@ -113,7 +114,6 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     (exactly-once on Kafka, at-least-once on the embedded bus). Start instances 0..N-1 to scale out:
     they share the partitions of consumer group `filter.<policy>`; SIGTERM stops one after its batch."""
     from astraflow.launched import policy_component
-    from policies.processor import main
 
     cfg, policy = load_policy(config, overrides, policy)
     section = cfg.filter_section(policy)
@@ -121,7 +121,10 @@ def policy(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         typer.echo(f"--instance {instance} is not below policies.{policy}.filter_processor.instances "
                    f"({section.processor.instances})", err=True)
         raise typer.Exit(2)
-    main(section, instance, setup_component(policy_component(policy, instance), cfg))
+    stop = setup_component(policy_component(policy, instance), cfg)
+    from policies.processor import main  # after the setup: a SIGTERM while torch loads stops it cleanly
+
+    main(section, instance, stop)
 
 
 @app.command()
@@ -138,11 +141,13 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     trainer ...`): rank 0 reads the bus, publishes and checkpoints, all ranks train (FSDP2 or ZeRO)."""
     if local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    from trainer.main import InvalidServing, main
-
     cfg, policy = load_policy(config, overrides, policy)
+    section = cfg.trainer_section(policy)
+    stop = setup_component(f"trainer.{policy}", cfg)
+    from trainer.main import InvalidServing, main  # after the setup: a SIGTERM while torch loads stops it cleanly
+
     try:
-        summary = main(cfg.trainer_section(policy), setup_component(f"trainer.{policy}", cfg))
+        summary = main(section, stop)
     except InvalidServing as e:
         typer.echo(f"invalid policies.{policy}.serving: {e}", err=True)
         raise typer.Exit(2)

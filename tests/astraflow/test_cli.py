@@ -1,8 +1,10 @@
 """`astraflow run` refuses a bad config before starting anything, naming what is wrong; `status` says when
 a run is not on the bus."""
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,29 @@ def test_a_second_run_on_a_run_dir_in_use_is_refused_naming_the_launcher(tmp_pat
         holder.kill()
         holder.wait()
     hold_run_dir(tmp_path)  # a killed holder's lock is gone with it
+
+
+def _catches_sigterm(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.parametrize("command", [["raas"], ["policy", "--policy", "actor"], ["trainer", "--policy", "actor"]])
+def test_a_component_catches_sigterm_before_it_loads_torch_and_a_sigterm_then_stops_it_cleanly(tmp_path, command):
+    # The launcher retires a RaaS worker it started moments before (scale up, then down) with SIGTERM: one that
+    # still imported torch before catching it died of the signal (exit -15) in a CI run
+    proc = subprocess.Popen([sys.executable, "-m", "astraflow", *command, "examples/arith-tiny.yaml", "run=early",
+                             f"bus=local://{tmp_path / 'bus'}", f"store=file://{tmp_path / 'store'}"],
+                            cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches_sigterm(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.001)
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()[-2000:]
+    finally:
+        proc.kill()
+        proc.wait()
