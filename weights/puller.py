@@ -248,7 +248,8 @@ class Puller:
 
     # ---- fetching and applying ------------------------------------------------------------
 
-    def _fetch(self, key: str, start: int | None = None, length: int | None = None, path: Path | None = None):
+    def _fetch(self, key: str, start: int | None = None, length: int | None = None, path: Path | None = None,
+               size: int | None = None):
         for attempt in Retrying(stop=stop_after_attempt(self.attempts), reraise=True,
                                 wait=wait_exponential(multiplier=self.backoff_s, max=5.0),
                                 retry=retry_if_exception_type(StoreError),
@@ -257,7 +258,7 @@ class Puller:
                                     self.policy, key, s.attempt_number, s.outcome.exception(), s.next_action.sleep)):
             with attempt:
                 if path is not None:
-                    return self.store.download(key, path)
+                    return self.store.download(key, path, size)
                 return self.store.get(key, start=start, length=length)
 
     def _apply(self, step: Step, expect_sha: str | None) -> None:
@@ -273,7 +274,7 @@ class Puller:
             return
         with tempfile.TemporaryDirectory(prefix="astraflow-pull-") as tmp:
             path = Path(tmp) / "full.safetensors"
-            self._fetch(step.obj.key, path=path)
+            self._fetch(step.obj.key, path=path, size=step.obj.size)
             state, version, sha = load_full(path, self.state, expect_sha256=expect_sha)
             if version != step.version:
                 raise WeightFormatError(f"{uri} holds version {version}, expected {step.version}")

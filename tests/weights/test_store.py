@@ -29,6 +29,11 @@ def test_put_get_list_and_missing(store, tmp_path):
         store.get(store.key("solver", 9, "full"))
     dst = tmp_path / "down.bin"
     assert store.download(store.key("solver", 1, "full"), dst) == 1000 and dst.read_bytes() == src.read_bytes()
+    whole = tmp_path / "whole.bin"  # a size known from the listing: read whole, written at once
+    assert store.download(store.key("solver", 1, "full"), whole, size=1000) == 1000
+    assert whole.read_bytes() == src.read_bytes()
+    with pytest.raises(ObjectMissing, match="00000009/full.safetensors does not exist"):
+        store.download(store.key("solver", 9, "full"), whole, size=1000)
 
 
 def test_retention_keeps_what_live_chains_need(store):
