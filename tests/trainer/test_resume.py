@@ -61,7 +61,8 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
     assert load_latest(run_dir / "trainer.pol" / CHECKPOINTS).version == 4  # steps 5 and 6: redone below
     orphaned = {v: {k: store.get(o.key) for k, o in objs.items()} for v, objs in store.versions("pol").items()
                 if v > 4}
-    assert sorted(orphaned) == [5, 6]
+    # 6 is stored (waited for above); 5 too unless the publisher, still busy, coalesced it into 6 (a loaded CI run)
+    assert 6 in orphaned and set(orphaned) <= {5, 6}, sorted(orphaned)
 
     send(produced[6:])
     send(produced[:2])  # redelivered duplicates (e.g. a RaaS worker crashed before its commit)
@@ -73,8 +74,8 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
     summary = json.loads(out.strip().splitlines()[-1])
     run_dir = run_dir / "trainer.pol"
     entries = trained_batches(bus, names, "pol")
-    # Versions 5 and 6 were published: the checkpoint's weights (version 4) became version 7 and the 10th
-    # step of the lineage is version 13; 5 and 6 keep their objects, byte for byte.
+    # Versions 5 and 6 were trained (and published, or coalesced): the checkpoint's weights (version 4) became
+    # version 7 and the 10th step of the lineage is version 13; 5 and 6 keep their objects, byte for byte.
     shas = {v: set(s) for v, s in announced(bus, names).items()}
     assert all(len(s) == 1 for s in shas.values()), shas  # no version named two sets of weights
     assert {v: {k: store.get(o.key) for k, o in objs.items()} for v, objs in store.versions("pol").items()
