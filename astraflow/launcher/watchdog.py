@@ -74,8 +74,9 @@ class DataWatchdog:
                     f"policies.{p}.steps")
                 self.console.print(f"[bold red]watchdog: {self.data_exhausted}[/]")
                 return
-            if self._stall[p][0] != version:
-                continue  # its progress is at a newer version: the stall starts again there
+            if self._trained.get(p, 0) > version:  # its progress is at a newer version: the stall starts there
+                self._stall[p] = (self._trained[p], now, now)
+                continue
             self.console.print(f"[bold yellow]watchdog: trainer.{p} has been at version {version} for "
                                f"{now - since:.0f} s;[/] samples.{p} lag {samples} (committed), trajectories.{p} lag "
                                f"{filtered}; " + (held or "no RaaS worker reports a pause"))
@@ -88,8 +89,8 @@ class DataWatchdog:
         one transaction marker per partition), and it has been stalled for over 3 of its newest step times (a step
         can outlast ``watchdog_s``). The trainer's progress is read to the end of ``control`` at each look, so a
         starved trainer is told at the first look after the stall. A progress at a newer version than the live
-        view's (whose trainer metrics came late) starts the stall again at that version: the verdict names the
-        version the trainer is at. Unknowns (a bus that does not answer, no progress yet) are not starvation."""
+        view's (whose trainer metrics came late) is recorded and is not starvation: :meth:`look` starts the stall
+        again at that version, so the verdict names the version the trainer is at. Unknowns (a bus that does not answer, no progress yet) are not starvation."""
         acquire = next((c for c in self.components if c.kind == "acquire"), None)
         if acquire is None or acquire.proc is None or acquire.proc.poll() != 0 or stalled_s < 3 * (step_s or 0.0):
             return False
@@ -107,8 +108,6 @@ class DataWatchdog:
             return False
         if progress is not None and progress.version > version:
             self._trained[policy] = progress.version
-            now = time.monotonic()
-            self._stall[policy] = (progress.version, now, now)
             return False
         return (progress is not None and not progress.at_barrier
                 and sum(ends.values()) - len(ends) - progress.consumed < self.cfg.policies[policy].batch_groups)
