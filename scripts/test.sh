@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole test suite. Installs .venv and .venv-vllm if needed and starts a local Kafka
-# broker (scripts/kafka-local.sh) when none answers on 127.0.0.1:${KAFKA_PORT:-9092};
-# a broker this script started is stopped at the end. Tests run on PYTEST_WORKERS
+# broker (scripts/kafka-local.sh start --fresh: no topic of earlier runs) when none answers on
+# 127.0.0.1:${KAFKA_PORT:-9092}; a broker this script started is stopped at the end. Tests run on PYTEST_WORKERS
 # processes (pytest-xdist; 0 runs them in this process). The default is 3 on a 2-core CI machine: with 2
 # the cores were busy 68% of the suite (its tests wait on restarts, outages and tool latency), which took
 # 26.5 min; with 3 it took 17.6 min (2026-12-04).
@@ -20,7 +20,7 @@ if ! command -v docker-compose >/dev/null 2>&1; then
 fi
 started=0
 if ! scripts/kafka-local.sh status >/dev/null 2>&1; then
-  scripts/kafka-local.sh start
+  scripts/kafka-local.sh start --fresh
   started=1
 fi
 cleanup() { if [ "$started" = 1 ]; then scripts/kafka-local.sh stop || true; fi; }

@@ -372,6 +372,9 @@ COMMIT_TIMEOUT_S = 60.0
 #: seconds a group member's commits may be refused for want of a coordinator, the broker answering, before the
 #: member is re-created (:meth:`KafkaConsumer._coordinator_lost`)
 NO_COORDINATOR_RENEW_S = 60.0
+#: seconds a subscribed group member may hold no partition, the broker answering, before it asks the group whether
+#: another member owns its topics' partitions; it is re-created when none does (:meth:`KafkaConsumer._left_out`)
+UNASSIGNED_RENEW_S = 60.0
 
 
 class _Fenced(Exception):
@@ -419,6 +422,10 @@ class KafkaConsumer(Consumer):
         self.renewals = 0
         self._no_coordinator_since: float | None = None  # the first of the consecutive commits refused for want of
         # a group coordinator (_WAIT_COORD)
+        self._client = {**security, "bootstrap.servers": bootstrap}  # for the group's description (_left_out)
+        self._describer: GroupDescriber | None = None
+        self._unassigned: tuple[float, float] | None = None  # (since, last asked the group) while subscribed and
+        # holding no partition
 
     # membership
     def subscribe(self, topics: list[str]) -> None:
@@ -455,6 +462,7 @@ class KafkaConsumer(Consumer):
             except (_StillRunning, KafkaException, RuntimeError):
                 pass  # a fenced client may refuse to leave; the new member takes its place either way
         self._on_revoke(None, [_tp(tp) for tp in self._assigned])
+        self._unassigned = None
         self._c = _Consumer(self._conf)
         self.subscribe(self._subscribed)
 
@@ -551,7 +559,49 @@ class KafkaConsumer(Consumer):
                 self._apply_pending()
             if not msgs and (out or left <= 0):
                 break
+        if not out and self._left_out():
+            self._renew(f"no partition of {', '.join(self._subscribed)} assigned for {UNASSIGNED_RENEW_S:.0f} s "
+                        "while the broker answers, and no other member of the group owns one")
         return out
+
+    def _left_out(self) -> bool:
+        """Whether this subscribed member has held no partition for :data:`UNASSIGNED_RENEW_S` seconds while the
+        broker answers and its topics exist, and the group (described through :mod:`topics.kafka_groups`, at most
+        every quarter of that) says no other member owns a partition of them. Seen once after a broker restart: a
+        static member that never got partitions again (240 s, until its supervisor restarted the process), while a
+        new member got them at once. A member left idle by a group with more members than partitions is not left
+        out: another member owns them."""
+        if self._assigned or not self._subscribed or self.group is None:
+            self._unassigned = None
+            return False
+        now = time.monotonic()
+        since, asked = self._unassigned or (now, 0.0)
+        self._unassigned = (since, asked)
+        if now - since < UNASSIGNED_RENEW_S or now - asked < UNASSIGNED_RENEW_S / 4:
+            return False
+        self._unassigned = (since, now)
+        try:
+            topics = self._c.list_topics(timeout=5).topics
+        except KafkaException:
+            return False  # the broker is down: waiting for it is all there is to do
+        if not any(topics.get(t) is not None and topics[t].partitions for t in self._subscribed):
+            return False  # nothing to assign yet
+        if self._describer is None:
+            self._describer = GroupDescriber(self._client)
+        try:
+            members = self._describer.members(self.group)
+        except BusError as e:
+            log.debug("kafka consumer %s: cannot describe group %s: %s", self.name, self.group, e)
+            return False
+        mine = self._conf.get("group.instance.id")
+        me = self._c.memberid()
+        for member, parts in members.items():
+            instance, _, member_id = member.partition(" ")
+            if (mine is not None and instance == mine) or (me and member_id == me):
+                continue
+            if any(tp.topic in self._subscribed for tp in parts):
+                return False
+        return True
 
     def _apply_pending(self) -> None:
         for tp in [tp for tp in self._pending if tp in self._assigned]:
@@ -701,6 +751,8 @@ class KafkaConsumer(Consumer):
         return out
 
     def close(self) -> None:
+        if self._describer is not None:
+            self._describer.close()
         self._c.close()
 
 

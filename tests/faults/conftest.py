@@ -16,13 +16,14 @@ class PrivateBroker:
     def __init__(self, port: int):
         self.port, self.url = port, f"kafka://127.0.0.1:{port}"
 
-    def _script(self, action: str) -> None:
-        subprocess.run(["scripts/kafka-local.sh", action], cwd=ROOT, check=True, timeout=300,
+    def _script(self, *args: str) -> None:
+        subprocess.run(["scripts/kafka-local.sh", *args], cwd=ROOT, check=True, timeout=300,
                        env=dict(os.environ, KAFKA_PORT=str(self.port)), stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
 
-    def start(self) -> None:
-        self._script("start")
+    def start(self, fresh: bool = False) -> None:
+        """Start the broker; ``fresh``: with an empty data directory (no topic or group of an earlier test)."""
+        self._script("start", *(["--fresh"] if fresh else []))
 
     def stop(self) -> None:
         self._script("stop")
@@ -31,7 +32,7 @@ class PrivateBroker:
 @pytest.fixture
 def private_broker():
     broker = PrivateBroker(PORT)
-    broker.start()
+    broker.start(fresh=True)
     try:
         yield broker
     finally:

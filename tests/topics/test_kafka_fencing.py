@@ -28,11 +28,11 @@ def fence(bus, group: str, topic: str, instance: str) -> None:
     usurper.close()
 
 
-def send(bus, topic: str, tag: str, n: int = 10) -> list[bytes]:
+def send(bus, topic: str, tag: str, n: int = 10, partitions: int = 2) -> list[bytes]:
     producer = bus.producer()
     values = [f"{tag}-{i}".encode() for i in range(n)]
     for i, v in enumerate(values):
-        producer.send(topic, v, partition=i % 2)
+        producer.send(topic, v, partition=i % partitions)
     producer.flush()
     return values
 
@@ -65,4 +65,37 @@ def test_a_fenced_static_member_is_re_created_in_place_and_reads_on_from_its_com
     assert member.renewals == 2
     assert {r.value for r in again} == set(second + third), sorted(r.value for r in again)
     assert set(member.assignment()) == {TopicPartition(topic, 0), TopicPartition(topic, 1)}
+    member.close()
+
+
+def test_a_member_the_group_left_out_is_re_created_and_an_idle_member_is_not(kafka_url, monkeypatch):
+    """A subscribed member whose librdkafka client is out of the group (unsubscribed under it, as a member that
+    never rejoined after a broker restart) is re-created once it has held no partition for ``UNASSIGNED_RENEW_S``
+    and no other member owns one, and reads again from the committed offsets. A member idle because the group's
+    only partition is owned by another member is left alone."""
+    from topics import kafka
+    monkeypatch.setattr(kafka, "UNASSIGNED_RENEW_S", 4.0)
+    bus = connect(kafka_url)
+    topic, group = f"left-{uuid.uuid4().hex[:10]}", f"g-{uuid.uuid4().hex[:10]}"
+    bus.admin().create_topic(topic, partitions=1)
+    first = send(bus, topic, "a", n=4, partitions=1)
+    member = bus.consumer(group, instance_id="member-0", session_timeout_s=SESSION_S)
+    member.subscribe([topic])
+    assert sorted(r.value for r in drain(member, 4)) == sorted(first)
+    member._c.unsubscribe()  # the fault: the client leaves the group; the member still believes it subscribed
+    again, deadline = [], time.monotonic() + 40
+    while len(again) < 4 and time.monotonic() < deadline:
+        again += member.poll(100, 0.2)
+    assert member.renewals == 1
+    assert sorted(r.value for r in again) == sorted(first)  # nothing was committed: all of it again
+
+    idle = bus.consumer(group, instance_id="member-1", session_timeout_s=SESSION_S)
+    idle.subscribe([topic])
+    end = time.monotonic() + 12  # three times the bound: it would have been re-created twice
+    while time.monotonic() < end:
+        member.poll(100, 0.2)
+        idle.poll(100, 0.2)
+    assert (idle.renewals, member.renewals) == (0, 1)
+    assert member.assignment() == [TopicPartition(topic, 0)] and idle.assignment() == []
+    idle.close()
     member.close()
