@@ -217,13 +217,15 @@ class FilterProcessor:
                 log.debug("closing the failed producer: %s", e)
             self.producer = self.bus.producer(transactional_id=self.transactional_id)
             self.reader.producer = self.producer
-            owned = set(self.consumer.assignment())
-            batch = {tp: offset for tp, offset in self._batch_start.items() if tp in owned}
+            batch = {tp: offset for tp, offset in self._batch_start.items() if tp in set(self.consumer.assignment())}
             # The failed transaction may have committed (a commit in doubt, settled by the new producer): resume
             # from the group's committed offsets, which moved past the batch only then.
             committed = self.consumer.committed(list(batch)) if batch else {}
+            owned = set(self.consumer.assignment())  # a consumer re-created to ask (Kafka) owns none yet: its
+            # partitions start from the committed offsets when the group gives them back
             for tp, offset in batch.items():
-                self.consumer.seek(tp, committed[tp] if committed.get(tp) is not None else offset)
+                if tp in owned:
+                    self.consumer.seek(tp, committed[tp] if committed.get(tp) is not None else offset)
             self._broken = False
         try:
             return self.step()

@@ -97,7 +97,6 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -110,6 +109,7 @@ import numpy as np
 import torch
 
 from producers.config import SGLANG_OWN_ARGS
+from producers.ports import free_port
 from producers.engines import (Engine, EngineUpdateError, Generation, GenerationInterrupted, SamplingParams,
                                check_prompts)
 
@@ -141,13 +141,6 @@ class SGLangHTTPError(RuntimeError):
         self.transient = (status is None or status >= 500) if transient is None else transient
         what = f"answered HTTP {status}: {detail}" if status is not None else f"did not answer: {detail}"
         super().__init__(f"SGLang {method} {path} at {url} {what}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on now (the kernel's choice of an ephemeral port)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def launch_command(model_path: str | Path, host: str, port: int, launch_args: Sequence[str] = (),

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
+
+from producers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The model name the server answers to (``"model"`` of each request).
@@ -38,13 +39,6 @@ EXTENSION = "producers.vllm_worker.AstraflowWorkerExtension"
 
 #: Starts of a :class:`VLLMServer` that lost the port it chose to another process before binding it.
 PORT_ATTEMPTS = 3
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 #: ``api_server`` flags that ask for more than one worker or choose the executor themselves.

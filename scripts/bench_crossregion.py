@@ -86,6 +86,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from producers.ports import free_port  # noqa: E402
 from scripts.spread import describe, spread  # noqa: E402
 
 PROXY = ROOT / "scripts" / "latency_proxy.py"
@@ -124,13 +125,6 @@ def run_cmd(*argv: str, timeout_s: float = 30.0) -> None:
         raise BenchError(f"`{' '.join(argv)}` did not finish in {timeout_s:.0f} s") from None
     if done.returncode:
         raise BenchError(f"`{' '.join(argv)}` exited {done.returncode}: {done.stderr.strip()}")
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

@@ -669,12 +669,12 @@ class KafkaConsumer(Consumer):
         self._no_coordinator_since = None
         _check_result("commit", result or [])
 
-    def _coordinator_lost(self, err: KafkaError) -> bool:
-        """Whether a subscribed member's commits have been refused for want of a group coordinator
-        (``_WAIT_COORD``) for :data:`NO_COORDINATOR_RENEW_S` seconds while the broker answers a metadata request:
-        seen once after a broker restart, a member that never found its coordinator again (180 s of refused
-        commits, while a new member found it at once), so it is re-created (:meth:`_renew`)."""
-        if err.code() != KafkaError._WAIT_COORD or not self._subscribed:
+    def _coordinator_lost(self, err: KafkaError, codes: tuple[int, ...] = (KafkaError._WAIT_COORD,)) -> bool:
+        """Whether a subscribed member's requests to its group coordinator have failed with ``codes`` (default: no
+        coordinator, ``_WAIT_COORD``) for :data:`NO_COORDINATOR_RENEW_S` seconds while the broker answers a
+        metadata request: seen once after a broker restart, a member that never found its coordinator again (180 s
+        of refused commits, while a new member found it at once), so it is re-created (:meth:`_renew`)."""
+        if err.code() not in codes or not self._subscribed:
             self._no_coordinator_since = None
             return False
         now = time.monotonic()
@@ -687,10 +687,31 @@ class KafkaConsumer(Consumer):
         return True
 
     def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:
+        """The group's committed offsets of ``partitions`` (None where none is), asked for up to 10 s. A subscribed
+        member whose asks have found no coordinator or timed out for :data:`NO_COORDINATOR_RENEW_S` while the
+        broker answers is re-created in place (:meth:`_renew`; it owns no partition until it has joined again)
+        and asks once more: seen in CI after a broker restart, a filter processor whose asks timed out for two
+        minutes while the broker served every other client, until its patience ran out.
+
+        Raises:
+            BusError: the offsets did not come (a transaction that holds offsets of the group and is not ended
+                keeps them from coming: Kafka answers only with stable offsets).
+        """
         try:
-            result = self._c.committed([_tp(tp) for tp in partitions], timeout=10)
+            return self._committed(partitions)
         except KafkaException as e:
-            raise BusError(f"cannot read committed offsets of group {self.group}: {e}") from None
+            if not self._coordinator_lost(e.args[0], (KafkaError._WAIT_COORD, KafkaError._TIMED_OUT)):
+                raise BusError(f"cannot read committed offsets of group {self.group}: {e}") from None
+        self._renew(f"its asks for committed offsets found no coordinator or timed out for "
+                    f"{NO_COORDINATOR_RENEW_S:.0f} s while the broker answers")
+        try:
+            return self._committed(partitions)
+        except KafkaException as e:
+            raise BusError(f"cannot read committed offsets of group {self.group}, re-created: {e}") from None
+
+    def _committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:
+        result = self._c.committed([_tp(tp) for tp in partitions], timeout=10)
+        self._no_coordinator_since = None
         return {TopicPartition(p.topic, p.partition): (p.offset if p.offset >= 0 else None) for p in result}
 
     def position(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:

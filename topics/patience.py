@@ -4,7 +4,7 @@ Transient broker trouble (a restart, a leader election, a coordinator move, a ne
 as :class:`topics.bus.BusError`. A component waits it out where it is, keeping its position, instead
 of exiting: :func:`patiently` calls ``fn`` until it returns or ``patience_s`` seconds have passed
 (exponential back-off from 0.5 s to 10 s, through tenacity), with one warning when the condition
-starts and one line when it clears. After the patience, on a :class:`FatalBusError` (e.g. a
+starts, one when its error changes (at most every ``SAY_AGAIN_S``), and one line when it clears. After the patience, on a :class:`FatalBusError` (e.g. a
 fenced transactional producer: another instance took over) or on a
 :class:`topics.bus.DeliveryError` (records were dropped: calling again would not send them), the
 error is raised and the process's supervisor takes over (``astraflow run`` restarts the component,
@@ -24,6 +24,8 @@ T = TypeVar("T")
 
 #: Seconds a component waits out a failing bus before it gives up (> a broker restart, ~30-60 s here).
 PATIENCE_S = 180.0
+#: Seconds between two lines of one wait: a wait whose error changes says so at most this often.
+SAY_AGAIN_S = 30.0
 
 
 def patiently(what: str, fn: Callable[[], T], *, patience_s: float = PATIENCE_S,
@@ -46,11 +48,17 @@ def patiently(what: str, fn: Callable[[], T], *, patience_s: float = PATIENCE_S,
     """
     log = log or logging.getLogger(__name__)
     started: list[float] = []
+    said: list = [0.0, ""]  # when the last line was logged, and the error it named
 
     def before_sleep(state) -> None:
+        now, error = time.monotonic(), str(state.outcome.exception())
         if not started:
-            started.append(time.monotonic())
-            log.warning("%s: %s; retrying for up to %.0f s", what, state.outcome.exception(), patience_s)
+            started.append(now)
+            log.warning("%s: %s; retrying for up to %.0f s", what, error, patience_s)
+            said[:] = [now, error]
+        elif error != said[1] and now - said[0] >= SAY_AGAIN_S:
+            log.warning("%s: still failing after %.0f s, now with: %s", what, now - started[0], error)
+            said[:] = [now, error]
 
     retrying = Retrying(retry=retry_if_exception(lambda e: isinstance(e, BusError)
                                                  and not isinstance(e, (FatalBusError, DeliveryError))),

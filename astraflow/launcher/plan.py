@@ -60,7 +60,8 @@ def vllm_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[s
     """A vLLM server component per policy with ``engine: vllm`` and no ``vllm.url``, on ``vllm.port`` (None: a
     free port), in the dtype its trainer publishes; and the RaaS options that point the workers at them
     (``--vllm-url <p>=http://127.0.0.1:<port>``)."""
-    from producers.vllm_server import free_port, server_argv, server_env
+    from producers.ports import free_port
+    from producers.vllm_server import server_argv, server_env
     from weights.models import resolve_model
 
     comps, urls = [], []
@@ -84,7 +85,7 @@ def search_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list
     s = cfg.tools.search
     if s is None or s.url is not None:
         return [], []
-    from producers.vllm_server import free_port
+    from producers.ports import free_port
 
     port = s.port or free_port()
     url = f"http://127.0.0.1:{port}"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from astraflow.exporter import MetricsExporter, metric_name
-from producers.vllm_server import free_port
+from producers.ports import free_port
 from topics.bus import connect
 from topics.codec import encode, headers_for
 from topics.layout import ensure_run_topics

@@ -21,7 +21,8 @@ import torch
 from astraflow.config import ConfigError, RunConfig, load_config
 from producers.engines import EngineUpdateError, GenerationInterrupted, SamplingParams
 from producers.hf_engine import HFEngine
-from producers.sglang_engine import (SGLangEngine, SGLangHTTPError, free_port, launch_command, launch_env,
+from producers.ports import free_port
+from producers.sglang_engine import (SGLangEngine, SGLangHTTPError, launch_command, launch_env,
                                      serialize_named_tensors)
 
 torch.set_num_threads(2)

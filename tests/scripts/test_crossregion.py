@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_crossregion  # noqa: E402
 from bench_crossregion import Lines, Link  # noqa: E402
+from producers.ports import free_port  # noqa: E402
 
 NETNS = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -58,7 +59,7 @@ def round_trip(conn: socket.socket, payload: bytes = b"x") -> float:
 
 
 def test_latency_proxy_adds_the_delay_and_passes_bytes_intact(echo_port):
-    port = bench_crossregion.free_port()
+    port = free_port()
     proxy = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "latency_proxy.py"), "--one-way-ms", "100",
                               f"127.0.0.1:{port}=127.0.0.1:{echo_port}"], stdout=subprocess.PIPE, text=True)
     try:

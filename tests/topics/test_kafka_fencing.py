@@ -99,3 +99,41 @@ def test_a_member_the_group_left_out_is_re_created_and_an_idle_member_is_not(kaf
     assert member.assignment() == [TopicPartition(topic, 0)] and idle.assignment() == []
     idle.close()
     member.close()
+
+
+def test_a_member_whose_committed_offsets_do_not_come_is_re_created_once(kafka_url, monkeypatch):
+    """A transaction that holds offsets of the group and is not ended keeps the group's committed offsets from
+    coming (Kafka answers only stable offsets): the member's asks time out while the broker answers, as those of a
+    member that lost its coordinator do. Past ``NO_COORDINATOR_RENEW_S`` of that it is re-created once and asks
+    again; once the transaction commits, the offsets come."""
+    from confluent_kafka import Consumer as RawConsumer, Producer as RawProducer, TopicPartition as RawTP
+
+    from topics import kafka
+    monkeypatch.setattr(kafka, "NO_COORDINATOR_RENEW_S", 5.0)
+    bus = connect(kafka_url)
+    topic, group = f"unstable-{uuid.uuid4().hex[:10]}", f"g-{uuid.uuid4().hex[:10]}"
+    bus.admin().create_topic(topic, partitions=1)
+    send(bus, topic, "a", n=4, partitions=1)
+    member = bus.consumer(group, instance_id="member-0", session_timeout_s=SESSION_S)
+    member.subscribe([topic])
+    assert len(drain(member, 4)) == 4
+    bootstrap = kafka_url.removeprefix("kafka://")
+    holder = RawProducer({"bootstrap.servers": bootstrap, "transactional.id": f"holder-{uuid.uuid4().hex[:8]}"})
+    holder.init_transactions(30)
+    holder.begin_transaction()
+    metadata = RawConsumer({"bootstrap.servers": bootstrap, "group.id": group}).consumer_group_metadata()
+    holder.send_offsets_to_transaction([RawTP(topic, 0, 4)], metadata, 30)  # the fault: offsets held, not ended
+    tp = TopicPartition(topic, 0)
+    errors = []
+    while member.renewals == 0 and len(errors) < 4:
+        try:
+            member.committed([tp])
+        except Exception as e:  # noqa: BLE001 (the BusError is what is asserted on)
+            errors.append(str(e))
+    # the first ask timed out (10 s); the second, 10 s later, re-created the member, which timed out too
+    assert member.renewals == 1 and len(errors) == 2, errors
+    assert "Timed out" in errors[0] and "re-created" in errors[1], errors
+    holder.commit_transaction(30)
+    assert member.committed([tp]) == {tp: 4}
+    assert member.renewals == 1
+    member.close()

@@ -46,3 +46,20 @@ def test_the_last_error_is_raised_after_the_patience():
     with pytest.raises(BusError, match="still down"):
         patiently("op", fn, patience_s=1.0)
     assert 1.0 <= time.monotonic() - t0 < 4.0 and len(calls) >= 2
+
+
+def test_a_wait_whose_error_changes_says_so_at_most_every_say_again_s(caplog, monkeypatch):
+    monkeypatch.setattr("topics.patience.SAY_AGAIN_S", 1.2)
+    errors = iter(["broker down"] * 2 + ["no coordinator"] * 2)  # failures at 0, 0.5, 1.5 and 3.5 s
+
+    def fn():
+        error = next(errors, None)
+        if error is not None:
+            raise BusError(error)
+        return "done"
+    with caplog.at_level(logging.WARNING):
+        assert patiently("op", fn, patience_s=30) == "done"
+    lines = [r.getMessage() for r in caplog.records]
+    # the first error, then the new one once 1.2 s had passed (at the third failure, 1.5 s in), said once
+    assert lines[0] == "op: broker down; retrying for up to 30 s", lines
+    assert len(lines) == 3 and re.fullmatch(r"op: still failing after 2 s, now with: no coordinator", lines[1]), lines

@@ -1,7 +1,6 @@
 """A store that fails is reported once per episode, with its cause in words: the store behind a real TCP path
 (``scripts/latency_proxy.py`` to the session's S3 server) that is cut (connections refused) and restored."""
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -12,23 +11,18 @@ import httpx
 import pytest
 
 import weights.store as store_mod
+from producers.ports import free_port
 from weights.publisher import Publisher
 from weights.store import StoreUnavailable, WeightStore, describe_failure
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_store_outage_is_one_warning_with_its_cause_and_one_when_it_is_back(s3_endpoint, monkeypatch, caplog):
     monkeypatch.setattr(store_mod, "RETRY_TIMEOUT_S", 0.3)  # obstore's own retries: seconds in a run, short here
     bucket = f"b-{uuid.uuid4().hex[:12]}"
     httpx.put(f"{s3_endpoint}/{bucket}").raise_for_status()
-    port = _free_port()  # nothing listens there yet: connections are refused
+    port = free_port()  # nothing listens there yet: connections are refused
     store = WeightStore(f"s3://{bucket}/w", "run", endpoint=f"http://127.0.0.1:{port}", access_key_id="test",
                         secret_access_key="test", region="us-east-1")
     caplog.set_level(logging.DEBUG, logger="weights")
@@ -66,7 +60,7 @@ def test_publisher_retries_say_what_they_retry(tmp_path, monkeypatch, caplog):
 
     from topics.names import TopicNames
 
-    port = _free_port()
+    port = free_port()
     store = WeightStore("s3://b/w", "run", endpoint=f"http://127.0.0.1:{port}", access_key_id="test",
                         secret_access_key="test", region="us-east-1")
     caplog.set_level(logging.DEBUG, logger="weights")
