@@ -158,6 +158,25 @@ def _broker_answers(client: _Producer | _Consumer) -> bool:
         return False
 
 
+_describers: dict[tuple, GroupDescriber] = {}  # one per cluster and credentials, for the consumers of a process
+_describers_lock = threading.Lock()
+
+
+def _group_members(client: Mapping[str, str], group: str) -> dict[str, list[TopicPartition]]:
+    """:meth:`topics.kafka_groups.GroupDescriber.members` through one helper process per cluster for the whole
+    process (its consumers ask one at a time).
+
+    Raises:
+        BusError: the cluster did not answer, or the helper died (it is started afresh on the next call).
+    """
+    key = tuple(sorted(client.items()))
+    with _describers_lock:
+        describer = _describers.get(key)
+        if describer is None:
+            describer = _describers[key] = GroupDescriber(client)
+        return describer.members(group)
+
+
 def _check_result(what: str, result: Iterable[_TP]) -> None:
     for tp in result:
         if tp.error is not None:
@@ -372,9 +391,9 @@ COMMIT_TIMEOUT_S = 60.0
 #: seconds a group member's commits may be refused for want of a coordinator, the broker answering, before the
 #: member is re-created (:meth:`KafkaConsumer._coordinator_lost`)
 NO_COORDINATOR_RENEW_S = 60.0
-#: seconds a subscribed group member may hold no partition, the broker answering, before it asks the group whether
-#: another member owns its topics' partitions; it is re-created when none does (:meth:`KafkaConsumer._left_out`)
-UNASSIGNED_RENEW_S = 60.0
+#: seconds a subscribed group member may read nothing, the broker answering, before it asks the group whether it is a
+#: member, and whether any member owns its topics' partitions (:meth:`KafkaConsumer._left_out`)
+QUIET_RENEW_S = 60.0
 
 
 class _Fenced(Exception):
@@ -423,9 +442,7 @@ class KafkaConsumer(Consumer):
         self._no_coordinator_since: float | None = None  # the first of the consecutive commits refused for want of
         # a group coordinator (_WAIT_COORD)
         self._client = {**security, "bootstrap.servers": bootstrap}  # for the group's description (_left_out)
-        self._describer: GroupDescriber | None = None
-        self._unassigned: tuple[float, float] | None = None  # (since, last asked the group) while subscribed and
-        # holding no partition
+        self._quiet: tuple[float, float] | None = None  # (since, last asked the group) while polls return nothing
 
     # membership
     def subscribe(self, topics: list[str]) -> None:
@@ -462,7 +479,7 @@ class KafkaConsumer(Consumer):
             except (_StillRunning, KafkaException, RuntimeError):
                 pass  # a fenced client may refuse to leave; the new member takes its place either way
         self._on_revoke(None, [_tp(tp) for tp in self._assigned])
-        self._unassigned = None
+        self._quiet = None
         self._c = _Consumer(self._conf)
         self.subscribe(self._subscribed)
 
@@ -559,49 +576,52 @@ class KafkaConsumer(Consumer):
                 self._apply_pending()
             if not msgs and (out or left <= 0):
                 break
-        if not out and self._left_out():
-            self._renew(f"no partition of {', '.join(self._subscribed)} assigned for {UNASSIGNED_RENEW_S:.0f} s "
-                        "while the broker answers, and no other member of the group owns one")
+        if out:
+            self._quiet = None
+        elif self._left_out():
+            self._renew(f"nothing read for {QUIET_RENEW_S:.0f} s while the broker answers, and the group has it as no "
+                        "member, or has given no member a partition of its topics")
         return out
 
     def _left_out(self) -> bool:
-        """Whether this subscribed member has held no partition for :data:`UNASSIGNED_RENEW_S` seconds while the
-        broker answers and its topics exist, and the group (described through :mod:`topics.kafka_groups`, at most
-        every quarter of that) says no other member owns a partition of them. Seen once after a broker restart: a
-        static member that never got partitions again (240 s, until its supervisor restarted the process), while a
-        new member got them at once. A member left idle by a group with more members than partitions is not left
-        out: another member owns them."""
-        if self._assigned or not self._subscribed or self.group is None:
-            self._unassigned = None
+        """Whether this subscribed member has read nothing for :data:`QUIET_RENEW_S` seconds while the broker answers
+        and its topics exist, and the group (described through :mod:`topics.kafka_groups`, at most every quarter of
+        that) either has no member that is this one, or has this one holding no partition and no other member
+        owning one of its topics. Both seen after a broker restart: a RaaS worker whose librdkafka consumer never
+        rejoined its group (the group empty, the worker polling its old partitions for minutes), and a filter
+        processor that never got partitions again (240 s, until its supervisor restarted the process), while a new
+        member got them at once. A member that is caught up, or idle because the group has more members than
+        partitions, is a member: it is left alone."""
+        if not self._subscribed or self.group is None:
             return False
         now = time.monotonic()
-        since, asked = self._unassigned or (now, 0.0)
-        self._unassigned = (since, asked)
-        if now - since < UNASSIGNED_RENEW_S or now - asked < UNASSIGNED_RENEW_S / 4:
+        since, asked = self._quiet or (now, 0.0)
+        self._quiet = (since, asked)
+        if now - since < QUIET_RENEW_S or now - asked < QUIET_RENEW_S / 4:
             return False
-        self._unassigned = (since, now)
+        self._quiet = (since, now)
         try:
             topics = self._c.list_topics(timeout=5).topics
         except KafkaException:
             return False  # the broker is down: waiting for it is all there is to do
         if not any(topics.get(t) is not None and topics[t].partitions for t in self._subscribed):
             return False  # nothing to assign yet
-        if self._describer is None:
-            self._describer = GroupDescriber(self._client)
         try:
-            members = self._describer.members(self.group)
+            members = _group_members(self._client, self.group)
         except BusError as e:
             log.debug("kafka consumer %s: cannot describe group %s: %s", self.name, self.group, e)
             return False
-        mine = self._conf.get("group.instance.id")
-        me = self._c.memberid()
+        mine, me = self._conf.get("group.instance.id"), self._c.memberid()
+        others, ours = [], False
         for member, parts in members.items():
             instance, _, member_id = member.partition(" ")
             if (mine is not None and instance == mine) or (me and member_id == me):
-                continue
-            if any(tp.topic in self._subscribed for tp in parts):
-                return False
-        return True
+                ours = True
+            else:
+                others.append(parts)
+        if not ours:
+            return True
+        return not self._assigned and not any(tp.topic in self._subscribed for parts in others for tp in parts)
 
     def _apply_pending(self) -> None:
         for tp in [tp for tp in self._pending if tp in self._assigned]:
@@ -772,8 +792,6 @@ class KafkaConsumer(Consumer):
         return out
 
     def close(self) -> None:
-        if self._describer is not None:
-            self._describer.close()
         self._c.close()
 
 

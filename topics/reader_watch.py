@@ -71,6 +71,11 @@ class ReaderWatch:
         try:
             parts = self.consumer.assignment()
             position = self.consumer.position(parts)
+            # no position until a record is read after an assignment (librdkafka): reading starts at the committed
+            # offset then, so a member caught up since its assignment is not counted as behind
+            unread = [tp for tp in parts if position.get(tp) is None]
+            if unread:
+                position.update(self.consumer.committed(unread))
             ends = self.admin.end_offsets(self.topic)
         except BusError as e:
             self.log.warning("%s: nothing read for %.0f s; positions on %s unknown (%s)", self.who, now - idle_since,

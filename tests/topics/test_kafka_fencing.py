@@ -70,11 +70,11 @@ def test_a_fenced_static_member_is_re_created_in_place_and_reads_on_from_its_com
 
 def test_a_member_the_group_left_out_is_re_created_and_an_idle_member_is_not(kafka_url, monkeypatch):
     """A subscribed member whose librdkafka client is out of the group (unsubscribed under it, as a member that
-    never rejoined after a broker restart) is re-created once it has held no partition for ``UNASSIGNED_RENEW_S``
-    and no other member owns one, and reads again from the committed offsets. A member idle because the group's
-    only partition is owned by another member is left alone."""
+    never rejoined after a broker restart) is re-created once it has read nothing for ``QUIET_RENEW_S`` and the
+    group has no such member, and reads again from the committed offsets. A member idle because the group's only
+    partition is owned by another member, and that owner once caught up, are left alone."""
     from topics import kafka
-    monkeypatch.setattr(kafka, "UNASSIGNED_RENEW_S", 4.0)
+    monkeypatch.setattr(kafka, "QUIET_RENEW_S", 4.0)
     bus = connect(kafka_url)
     topic, group = f"left-{uuid.uuid4().hex[:10]}", f"g-{uuid.uuid4().hex[:10]}"
     bus.admin().create_topic(topic, partitions=1)
