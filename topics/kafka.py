@@ -386,6 +386,8 @@ class KafkaProducer(Producer):
             self.flush()
 
 
+#: Seconds a consumer's close may take before it is left behind (:meth:`KafkaConsumer.close`).
+CLOSE_TIMEOUT_S = 30.0
 #: Seconds a consumer's offset commit may take before the consumer is given up (see :meth:`KafkaConsumer.commit`).
 COMMIT_TIMEOUT_S = 60.0
 #: seconds a group member's commits may be refused for want of a coordinator, the broker answering, before the
@@ -792,7 +794,14 @@ class KafkaConsumer(Consumer):
         return out
 
     def close(self) -> None:
-        self._c.close()
+        """Leave the group and release the client, waiting up to :data:`CLOSE_TIMEOUT_S`: a close that has not
+        returned by then is left to its daemon thread, with a warning, so that no shutdown waits on it (seen in a
+        CI run: a member re-created and closed before it had polled, its close held in the assignment callback)."""
+        try:
+            _bounded(f"close-{self.name}", self._c.close, CLOSE_TIMEOUT_S)
+        except _StillRunning:
+            log.warning("kafka consumer %s: its close has not returned in %.0f s; left behind (its partitions move "
+                        "when its session times out)", self.name, CLOSE_TIMEOUT_S)
 
 
 class KafkaAdmin(Admin):

@@ -135,5 +135,9 @@ def test_a_member_whose_committed_offsets_do_not_come_is_re_created_once(kafka_u
     assert "Timed out" in errors[0] and "re-created" in errors[1], errors
     holder.commit_transaction(30)
     assert member.committed([tp]) == {tp: 4}
+    deadline = time.monotonic() + 30
+    while not member.assignment():  # the re-created member joins as it polls, and reads on from the commit
+        assert time.monotonic() < deadline, "the re-created member was given no partition"
+        assert member.poll(100, 0.2) == []
     assert member.renewals == 1
     member.close()
