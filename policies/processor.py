@@ -217,7 +217,8 @@ class FilterProcessor:
                 log.debug("closing the failed producer: %s", e)
             self.producer = self.bus.producer(transactional_id=self.transactional_id)
             self.reader.producer = self.producer
-            batch = {tp: offset for tp, offset in self._batch_start.items() if tp in set(self.consumer.assignment())}
+            held = set(self.consumer.assignment())
+            batch = {tp: offset for tp, offset in self._batch_start.items() if tp in held}
             # The failed transaction may have committed (a commit in doubt, settled by the new producer): resume
             # from the group's committed offsets, which moved past the batch only then.
             committed = self.consumer.committed(list(batch)) if batch else {}

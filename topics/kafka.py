@@ -158,13 +158,13 @@ def _broker_answers(client: _Producer | _Consumer) -> bool:
         return False
 
 
-_describers: dict[tuple, GroupDescriber] = {}  # one per cluster and credentials, for the consumers of a process
+_describers: dict[tuple, GroupDescriber] = {}  # one per cluster and credentials, for the clients of a process
 _describers_lock = threading.Lock()
 
 
 def _group_members(client: Mapping[str, str], group: str) -> dict[str, list[TopicPartition]]:
     """:meth:`topics.kafka_groups.GroupDescriber.members` through one helper process per cluster for the whole
-    process (its consumers ask one at a time).
+    process (its admin clients and consumers ask one at a time).
 
     Raises:
         BusError: the cluster did not answer, or the helper died (it is started afresh on the next call).
@@ -822,7 +822,6 @@ class KafkaAdmin(Admin):
         self._bootstrap = bootstrap
         self._watermark_reader: _Consumer | None = None
         self._offset_readers: dict[str, _Consumer] = {}  # group -> a consumer that only reads its offsets
-        self._describer: GroupDescriber | None = None
         try:
             self._a.list_topics(timeout=connect_timeout_s)
         except KafkaException as e:
@@ -947,9 +946,7 @@ class KafkaAdmin(Admin):
     def group_members(self, group: str) -> dict[str, list[TopicPartition]]:
         """Through a helper process (:mod:`topics.kafka_groups`): librdkafka's DescribeGroups can abort the
         process across a broker outage. Raises BusError when the cluster does not answer."""
-        if self._describer is None:
-            self._describer = GroupDescriber(self._client)
-        return self._describer.members(group)
+        return _group_members(self._client, group)
 
 
 class KafkaBus(Bus):
