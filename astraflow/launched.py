@@ -20,6 +20,9 @@ EXIT_BAD_INPUT = 3
 LAUNCHER_PID_ENV = "ASTRAFLOW_LAUNCHER_PID"
 #: Seconds a component whose launcher died has to stop cleanly before it exits hard.
 ORPHAN_GRACE_S = 30.0
+#: The environment variable naming the file that a launched component touches every second while its Python runs:
+#: the launcher kills a component whose file goes stale (:mod:`astraflow.launcher.supervision`).
+HEARTBEAT_ENV = "ASTRAFLOW_HEARTBEAT_FILE"
 
 
 def policy_component(policy: str, instance: int) -> str:
@@ -43,14 +46,23 @@ def watch_launcher(name: str, stop: threading.Event, poll_s: float = 1.0) -> thr
     that process is gone (killed, even by SIGKILL: components run in their own sessions, so nothing else
     reaches them; a rank under torchrun has torchrun as its parent, so it is the launcher itself that is
     watched), log it, set ``stop`` and, if the component has not exited ``ORPHAN_GRACE_S`` seconds later,
-    exit with status 1. Returns the watching daemon thread, or None outside a launched run."""
+    exit with status 1. While it watches, it touches the file ``$ASTRAFLOW_HEARTBEAT_FILE`` names every ``poll_s``
+    seconds: a Python thread that gets to run, so a file that goes stale tells the launcher the whole process is
+    frozen (a C call that holds the interpreter lock, a stopped process). Returns the watching daemon thread, or
+    None outside a launched run."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if not launcher:
         return None
     started = process_start_time(int(launcher))
+    heartbeat = os.environ.get(HEARTBEAT_ENV)
 
     def watch() -> None:
         while started is not None and process_start_time(int(launcher)) == started:
+            if heartbeat:
+                try:
+                    Path(heartbeat).touch()
+                except OSError:
+                    pass  # the run directory went away: the launcher cannot look at it either
             time.sleep(poll_s)
         print(f"{name}: the launcher (pid {launcher}) is gone: stopping, exiting in at most {ORPHAN_GRACE_S:.0f} s",
               file=sys.stderr, flush=True)

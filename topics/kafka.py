@@ -58,6 +58,8 @@ MAX_MESSAGE_BYTES = 64 << 20
 _INVALID_OFFSET = -1001
 
 
+
+
 class _Reporter:
     """librdkafka's client errors as one log line per condition, not a line per reconnect attempt.
 
@@ -71,9 +73,13 @@ class _Reporter:
         self._seen: dict[int, tuple[float, int]] = {}  # code -> (last logged, repeats since)
         self.last: str | None = None  # the newest error's text, for the message of a failure it explains
         self.quiet = False  # record only: the caller reports the failure itself
+        #: ``time.monotonic()`` of the newest error saying no broker of the cluster can be reached (None: none yet)
+        self.unreachable_at: float | None = None
 
     def __call__(self, err: KafkaError) -> None:
         self.last = err.str()
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            self.unreachable_at = time.monotonic()
         if self.quiet:
             return
         now = time.monotonic()
@@ -388,6 +394,8 @@ class KafkaProducer(Producer):
 
 #: Seconds a consumer's close may take before it is left behind (:meth:`KafkaConsumer.close`).
 CLOSE_TIMEOUT_S = 30.0
+#: Seconds the release of a replaced or closed static member's librdkafka consumer may take (:meth:`KafkaConsumer._release`).
+RELEASE_TIMEOUT_S = 10.0
 #: Seconds a consumer's offset commit may take before the consumer is given up (see :meth:`KafkaConsumer.commit`).
 COMMIT_TIMEOUT_S = 60.0
 #: seconds a group member's commits may be refused for want of a coordinator, the broker answering, before the
@@ -399,12 +407,7 @@ QUIET_RENEW_S = 60.0
 
 
 class _Fenced(Exception):
-    """A group member's commit was fenced, or never returned (``wedged``: a thread still waits in it, so the
-    librdkafka consumer must not be closed under it): its librdkafka consumer must be re-created."""
-
-    def __init__(self, why: str, wedged: bool = False):
-        super().__init__(why)
-        self.wedged = wedged
+    """A group member's commit was fenced, or never returned: its librdkafka consumer must be re-created."""
 
 
 class KafkaConsumer(Consumer):
@@ -418,7 +421,8 @@ class KafkaConsumer(Consumer):
         session_ms = int(session_timeout_s * 1000)
         static = {"group.instance.id": instance_id} if instance_id and group else {}
         self.name = client_id or group or ""
-        self._conf = {**static, **_Reporter(f"consumer {self.name}".strip()).conf(), **security,
+        self._reporter = _Reporter(f"consumer {self.name}".strip())
+        self._conf = {**static, **self._reporter.conf(), **security,
             "bootstrap.servers": bootstrap,
             "group.id": group or f"astraflow-free-{uuid.uuid4().hex}",
             "client.id": client_id or f"astraflow-{uuid.uuid4().hex[:8]}",
@@ -459,7 +463,7 @@ class KafkaConsumer(Consumer):
         return bool(self._subscribed) and (err.fatal() or err.code() in (KafkaError._FATAL,
                                                                          KafkaError.FENCED_INSTANCE_ID))
 
-    def _renew(self, why: str, close: bool = True) -> None:
+    def _renew(self, why: str) -> None:
         """Re-create the fenced librdkafka consumer in place: same config (the same ``group.instance.id``, so the
         coordinator hands it the old member's place), same subscription; its partitions restart from the group's
         committed offsets, so what was read and not committed is read again (consumers de-duplicate by id).
@@ -470,20 +474,34 @@ class KafkaConsumer(Consumer):
         and gets a new member id, while a commit made before the rejoin is served still carries the old one
         (``OffsetCommit failed: Broker: Static consumer fenced by other consumer with same group.instance.id``).
         librdkafka makes that error fatal for the whole consumer; no other member has this id, so re-joining is
-        safe. ``close``: False when a thread still waits in a call on the old consumer (closing it under that call
-        could crash the process); it is left to the coordinator, which fences it when the new member joins."""
+        safe. The old consumer is released, not closed (:meth:`_release`); the coordinator hands its place to the
+        new member."""
         self.renewals += 1
         log.warning("kafka consumer %s: %s; re-creating it in place (group %s, the same group.instance.id); it "
                     "resumes from the group's committed offsets", self.name, why, self.group)
-        if close:
-            try:
-                _bounded(f"close-{self.group}", self._c.close, 10.0)
-            except (_StillRunning, KafkaException, RuntimeError):
-                pass  # a fenced client may refuse to leave; the new member takes its place either way
+        self._release()
         self._on_revoke(None, [_tp(tp) for tp in self._assigned])
         self._quiet = None
         self._c = _Consumer(self._conf)
         self.subscribe(self._subscribed)
+
+    def _release(self) -> None:
+        """Destroy the librdkafka consumer without its consumer close (librdkafka's
+        ``RD_KAFKA_DESTROY_F_NO_CONSUMER_CLOSE``, what confluent-kafka does to a consumer it frees), on a helper
+        thread waited for :data:`RELEASE_TIMEOUT_S`. A close runs the revoke through confluent-kafka's rebalance
+        callback, which calls ``rd_kafka_rebalance_protocol`` and ``rd_kafka_assign`` holding the interpreter lock,
+        and those can wait for ever on a consumer being closed (librdkafka #4041, #4884): seen in CI, a RaaS worker
+        whose member was re-created 4 s after a broker restart froze whole (no thread of it ran again, not even its
+        watch on the launcher). A static member sends no LeaveGroup at its close anyway, and commits are manual, so
+        nothing is lost: the coordinator gives its place to the next member with its ``group.instance.id``, or
+        moves its partitions when its session times out. A call still running on it (a commit that never returned)
+        keeps it alive until that call returns."""
+        box, self._c = [self._c], None  # the helper thread drops the last reference: the free runs there
+        try:
+            _bounded(f"release-{self.name}", box.clear, RELEASE_TIMEOUT_S)
+        except _StillRunning:
+            log.warning("kafka consumer %s: its librdkafka client was not freed in %.0f s; left behind", self.name,
+                        RELEASE_TIMEOUT_S)
 
     def _join(self, timeout_s: float) -> None:
         """Poll a renewed consumer until the group has assigned it partitions, or ``timeout_s`` has passed; the
@@ -598,6 +616,9 @@ class KafkaConsumer(Consumer):
             return False
         now = time.monotonic()
         since, asked = self._quiet or (now, 0.0)
+        # the bound runs from the broker's return: a member needs a moment to rejoin a restarted broker (seen in CI:
+        # re-created 4 s after the restart, the member was still rejoining)
+        since = max(since, self._reporter.unreachable_at or since)
         self._quiet = (since, asked)
         if now - since < QUIET_RENEW_S or now - asked < QUIET_RENEW_S / 4:
             return False
@@ -653,9 +674,15 @@ class KafkaConsumer(Consumer):
             self._commit(offsets, timeout_s)
             return
         except _Fenced as fenced:
-            self._renew(str(fenced), close=not fenced.wedged)
+            self._renew(str(fenced))
+        # Done up to there: the new member starts there, not at the old commit. Given to librdkafka with the
+        # assignment (:meth:`_on_assign`), not sought after it: a seek made while the assignment's own fetch of the
+        # committed offsets is in flight is undone by its answer (seen in CI: a partition read again from 0).
+        self._pending.update(offsets)
         self._join(timeout_s)
         owned = {tp: off for tp, off in offsets.items() if tp in self._assigned}
+        for tp in offsets.keys() - owned.keys():
+            self._pending.pop(tp, None)  # another member owns it now and reads on from the group's commits
         if not owned:
             raise BusError(f"commit not made: the re-created member of group {self.group} owns none of "
                            f"{sorted(offsets)} after {timeout_s:.0f} s")
@@ -663,10 +690,6 @@ class KafkaConsumer(Consumer):
             self._commit(owned, timeout_s)
         except _Fenced as fenced:
             raise FatalBusError(f"{fenced}, again right after it was re-created") from None
-        for tp, off in owned.items():  # done up to there: read on from there, not from the old commit
-            self._pending[tp] = off
-        self._early = [r for r in self._early if r.tp not in owned]  # fetched again from there
-        self._apply_pending()
 
     def _commit(self, offsets: Mapping[TopicPartition, int], timeout_s: float) -> None:
         # librdkafka's synchronous commit has no timeout, and one made as the broker stops can wait forever,
@@ -676,7 +699,7 @@ class KafkaConsumer(Consumer):
                 offsets=[_tp(tp, off) for tp, off in offsets.items()], asynchronous=False), timeout_s)
         except _StillRunning:
             if self._subscribed:
-                raise _Fenced(f"a commit did not complete in {timeout_s:.0f} s", wedged=True) from None
+                raise _Fenced(f"a commit did not complete in {timeout_s:.0f} s") from None
             raise FatalBusError(f"commit for group {self.group} did not complete in {timeout_s:.0f} s; this consumer "
                                 "is given up") from None
         except KafkaException as e:
@@ -700,7 +723,8 @@ class KafkaConsumer(Consumer):
             self._no_coordinator_since = None
             return False
         now = time.monotonic()
-        self._no_coordinator_since = self._no_coordinator_since or now
+        # counted from the broker's return, like _left_out's bound: a restarted broker's coordinator takes a moment
+        self._no_coordinator_since = max(self._no_coordinator_since or now, self._reporter.unreachable_at or 0.0)
         if now - self._no_coordinator_since < NO_COORDINATOR_RENEW_S:
             return False
         if not _broker_answers(self._c):
@@ -794,9 +818,16 @@ class KafkaConsumer(Consumer):
         return out
 
     def close(self) -> None:
-        """Leave the group and release the client, waiting up to :data:`CLOSE_TIMEOUT_S`: a close that has not
-        returned by then is left to its daemon thread, with a warning, so that no shutdown waits on it (seen in a
-        CI run: a member re-created and closed before it had polled, its close held in the assignment callback)."""
+        """Leave the group and release the client. A static member (``instance_id``), which sends no LeaveGroup
+        at its close, is released without one (:meth:`_release`: a close can freeze the process). Others close,
+        waiting up to :data:`CLOSE_TIMEOUT_S`: a close that has not returned by then is left to its daemon thread,
+        with a warning, so that no shutdown waits on it (seen in a CI run: a member re-created and closed before
+        it had polled, its close held in the assignment callback)."""
+        if self._c is None:
+            return
+        if "group.instance.id" in self._conf:
+            self._release()
+            return
         try:
             _bounded(f"close-{self.name}", self._c.close, CLOSE_TIMEOUT_S)
         except _StillRunning:

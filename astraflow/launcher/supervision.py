@@ -7,6 +7,11 @@ its checkpoint. A component that once got going (a process of it ran ``STARTED_S
 long as the run goes, however often it is killed; so is one killed from outside by a signal. A component that
 exits on its own ``MAX_START_FAILURES`` times before it ever got going (bad config, a port in use) cannot start:
 the run fails, naming it; so does one that exits with ``EXIT_BAD_INPUT``.
+
+Like a liveness probe, a component whose heartbeat file (:data:`astraflow.launched.HEARTBEAT_ENV`, touched every
+second by a thread of its own) has not been touched for ``FROZEN_S`` seconds is frozen whole: its process group
+gets SIGUSR1 (each writes its threads' stacks to its log: what held it) and then SIGKILL, and it is restarted.
+Seen in CI: a RaaS worker frozen in a librdkafka call that held the interpreter lock, the run stalled for 10 min.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from astraflow.config import RunConfig
-from astraflow.launched import EXIT_BAD_INPUT, LAUNCHER_PID_ENV
+from astraflow.launched import EXIT_BAD_INPUT, HEARTBEAT_ENV, LAUNCHER_PID_ENV
 from astraflow.launcher.outputs import write_components
 from astraflow.launcher.plan import Component
 from astraflow.placement import component_placement, placement_env
@@ -33,6 +38,7 @@ EXTERNAL_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP
 #: kinds whose exit code 0 means their work is done (acquisition sent its prompts, a trainer reached its steps)
 DONE_KINDS = ("acquire", "trainer")
 SEARCH_STARTUP_S = 120.0  # seconds the search server may take to answer /health (it indexes its corpus first)
+FROZEN_S = 120.0          # seconds a component's heartbeat file may go untouched before it is killed as frozen
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -42,6 +48,11 @@ def kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # nothing left in the group
+
+
+def heartbeat_file(c: Component) -> Path:
+    """The file that component ``c``'s processes touch while their Python runs (next to its log)."""
+    return c.log.with_suffix(".alive")
 
 
 def log_tail(path: Path, n: int = 15) -> str:
@@ -88,10 +99,14 @@ class Supervisor:
 
     def start(self, comp: Component) -> None:
         """Start a process of ``comp``, in a session of its own, its output appended to its log, its placement's
-        CPUs and threads in its environment, and this process's pid in ``$ASTRAFLOW_LAUNCHER_PID``."""
+        CPUs and threads in its environment, this process's pid in ``$ASTRAFLOW_LAUNCHER_PID`` and its heartbeat
+        file (:func:`heartbeat_file`, removed first: an earlier process's does not count) in
+        ``$ASTRAFLOW_HEARTBEAT_FILE``."""
         comp.log.parent.mkdir(parents=True, exist_ok=True)
+        heartbeat_file(comp).unlink(missing_ok=True)
         env = dict(comp.env or os.environ, PYTHONUNBUFFERED="1",
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{LAUNCHER_PID_ENV: str(os.getpid())})
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   **{LAUNCHER_PID_ENV: str(os.getpid()), HEARTBEAT_ENV: str(heartbeat_file(comp))})
         placement = component_placement(self.cfg, comp.name, comp.kind)
         if placement is not None:  # vLLM servers are placed by their own options
             env.update(placement_env(placement))
@@ -144,6 +159,28 @@ class Supervisor:
                     c.proc.wait()
                 kill_group(c.proc)
 
+    def _kill_if_frozen(self, c: Component) -> None:
+        """SIGUSR1 then SIGKILL the process group of live component ``c`` if its heartbeat file has gone untouched for
+        ``FROZEN_S`` seconds (a component that never touched it, such as a vLLM server, is not looked at); the
+        next :meth:`supervise` reports the kill and restarts it."""
+        try:
+            stale_s = time.time() - heartbeat_file(c).stat().st_mtime
+        except OSError:
+            return
+        if stale_s < FROZEN_S:
+            return
+        self.console.print(f"[bold red]watchdog: {c.name} has run no Python for {stale_s:.0f} s (frozen: a call that "
+                           f"holds the interpreter lock, or a stopped process); killing it (its threads' stacks are "
+                           f"in {c.log}); it restarts[/]")
+        heartbeat_file(c).unlink(missing_ok=True)
+        for sig in (signal.SIGUSR1, signal.SIGKILL):
+            try:
+                os.killpg(c.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                return
+            if sig == signal.SIGUSR1:
+                time.sleep(1.0)  # the stacks are written from the signal handler, without the interpreter lock
+
     def supervise(self) -> list[Component]:
         """Report components that stopped while the run goes on and restart them after their back-off (module
         docstring); returns those that cannot be restarted: stopped on bad input, or unable to start."""
@@ -156,6 +193,8 @@ class Supervisor:
                 self.console.print(f"[yellow]restarted {c.name}[/] (restart {c.restarts})")
                 continue
             code = c.proc.poll() if c.proc else None
+            if code is None and not self.stopping:
+                self._kill_if_frozen(c)
             if code is None or c.reported:
                 continue
             c.reported = True

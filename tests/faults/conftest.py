@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+#: the private broker's port for the first pytest-xdist worker (and a run without workers); worker gwN uses
+#: PORT + 100 * N, so that fault tests on two workers never share a broker (one stopping it under the other)
 PORT = int(os.environ.get("ASTRAFLOW_FAULT_KAFKA_PORT", "19192"))
 
 
@@ -30,8 +32,8 @@ class PrivateBroker:
 
 
 @pytest.fixture
-def private_broker():
-    broker = PrivateBroker(PORT)
+def private_broker(worker_id):
+    broker = PrivateBroker(PORT + 100 * (int(worker_id[2:]) if worker_id.startswith("gw") else 0))
     broker.start(fresh=True)
     try:
         yield broker

@@ -1,5 +1,7 @@
 """Checks on an ``astraflow run`` directory shared by the fault tests."""
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -44,13 +46,29 @@ def log_tails(run_dir: Path, chars: int = 1500) -> str:
     return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-chars:]}" for log in logs)
 
 
+def dump_stacks(run_dir: Path) -> None:
+    """SIGUSR1 every live component of the run (``components.json``): each writes its threads' stacks to its log."""
+    try:
+        components = json.loads((run_dir / "components.json").read_text())
+    except (OSError, ValueError):
+        return
+    for c in components.values():
+        try:
+            os.kill(c["pid"], signal.SIGUSR1)
+        except (ProcessLookupError, PermissionError, KeyError, TypeError):
+            pass
+    time.sleep(2.0)
+
+
 def finish(launcher: subprocess.Popen, run_dir: Path, steps: int, timeout_s: float) -> tuple[dict, str]:
     """Wait up to ``timeout_s`` for the launcher to exit and check that it completed policy ``actor``'s
     ``steps`` steps (its final version is higher by the versions a trainer resume skipped). Returns (the run summary, the launcher's stderr). On a timeout or a failed run the
-    assertion carries the launcher's stderr tail and every component log's tail (what was blocked)."""
+    assertion carries the launcher's stderr tail and every component log's tail (on a timeout, with the stacks of
+    every thread of the components: what was blocked)."""
     try:
         out, err = launcher.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        dump_stacks(run_dir)
         launcher.kill()
         out, err = launcher.communicate()
         raise AssertionError(f"the run did not finish in {timeout_s} s\n{err[-3000:]}\n{log_tails(run_dir)}")
