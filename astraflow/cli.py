@@ -268,7 +268,7 @@ def search_server(
     FTS5) and GET /health, with seeded latency and faults. Prints `search server: serving URL (N documents)` once
     ready; runs until SIGTERM. `astraflow run` starts it as the component `search` when `tools.search` is set
     without a url. Exits 2 on a bad option, 3 on a bad corpus, 1 when the port cannot be bound."""
-    from astraflow.launched import EXIT_BAD_INPUT, stop_on_signals, watch_launcher
+    from astraflow.launched import EXIT_BAD_INPUT, stacks_on_sigusr1, stop_on_signals, watch_launcher
     from astraflow.placement import apply_placement
     from producers.search_server import DEFAULT_CORPUS, Behaviour, SearchServer, serve
 
@@ -286,6 +286,7 @@ def search_server(
         raise typer.Exit(EXIT_BAD_INPUT)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s search %(name)s %(levelname)s %(message)s")
     stop = stop_on_signals()
+    stacks_on_sigusr1()
     watch_launcher("search", stop)
     try:
         serve(server, stop)

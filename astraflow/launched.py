@@ -46,15 +46,17 @@ def watch_launcher(name: str, stop: threading.Event, poll_s: float = 1.0) -> thr
     that process is gone (killed, even by SIGKILL: components run in their own sessions, so nothing else
     reaches them; a rank under torchrun has torchrun as its parent, so it is the launcher itself that is
     watched), log it, set ``stop`` and, if the component has not exited ``ORPHAN_GRACE_S`` seconds later,
-    exit with status 1. While it watches, it touches the file ``$ASTRAFLOW_HEARTBEAT_FILE`` names every ``poll_s``
-    seconds: a Python thread that gets to run, so a file that goes stale tells the launcher the whole process is
-    frozen (a C call that holds the interpreter lock, a stopped process). Returns the watching daemon thread, or
-    None outside a launched run."""
+    exit with status 1. While it watches, it touches the file ``$ASTRAFLOW_HEARTBEAT_FILE`` names (a rank under
+    ``torchrun`` its own: the name with ``.$RANK`` added) every ``poll_s`` seconds: a Python thread that gets to
+    run, so a file that goes stale tells the launcher the whole process is frozen (a C call that holds the
+    interpreter lock, a stopped process). Returns the watching daemon thread, or None outside a launched run."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if not launcher:
         return None
     started = process_start_time(int(launcher))
     heartbeat = os.environ.get(HEARTBEAT_ENV)
+    if heartbeat and os.environ.get("RANK"):
+        heartbeat += f".{os.environ['RANK']}"
 
     def watch() -> None:
         while started is not None and process_start_time(int(launcher)) == started:
@@ -73,6 +75,13 @@ def watch_launcher(name: str, stop: threading.Event, poll_s: float = 1.0) -> thr
     thread = threading.Thread(target=watch, name="launcher-watch", daemon=True)
     thread.start()
     return thread
+
+
+def stacks_on_sigusr1() -> None:
+    """From now on, SIGUSR1 writes every thread's stack to the process's own stderr (its log under ``astraflow
+    run``; not a replaced ``sys.stderr``), from the signal handler, without the interpreter lock: the launcher sends
+    it before killing a wedged or frozen component."""
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 def stop_on_signals() -> threading.Event:
@@ -101,9 +110,7 @@ def component_setup(name: str, create_topics: Callable[[], None]) -> threading.E
     from astraflow.placement import apply_placement
 
     placed = apply_placement()  # before anything starts a thread
-    # SIGUSR1 writes every thread's stack to the log (the process's own stderr, not a replaced sys.stderr): the
-    # launcher sends it before killing a wedged component
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    stacks_on_sigusr1()
     stop = stop_on_signals()  # before anything that takes time: a SIGTERM during start-up stops cleanly too
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
     logging.getLogger("astraflow").info("%s on %s", name, placed)

@@ -77,7 +77,11 @@ class RunMonitor:
                  keep: bool = True):
         self.bus, self.names, self.policies, self.workflow = bus, names, policies, workflow
         self.admin = bus.admin()
-        self.consumer = bus.consumer(group or f"monitor.{uuid.uuid4().hex[:8]}")
+        # Its own group has no other member to hand partitions to: a static member there, whose close frees the
+        # client without librdkafka's consumer close, which can freeze the process (topics.kafka.KafkaConsumer.close;
+        # the launcher has no watchdog of its own). A shared group's members close, leaving it at once.
+        me = f"monitor.{uuid.uuid4().hex[:8]}"
+        self.consumer = bus.consumer(group) if group else bus.consumer(me, instance_id=me)
         RunTopics(names).deadletter.create(self.admin)  # subscribed before any component made it
         self.consumer.subscribe([names.metrics, names.deadletter])
         self.views = {p: PolicyView() for p in policies}

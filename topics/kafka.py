@@ -661,6 +661,9 @@ class KafkaConsumer(Consumer):
         once the group has given it back partitions, the offsets of those partitions are committed by the new member
         and it reads on from them.
 
+        A re-created member starts at ``offsets`` whether or not its commit then goes through: a commit that fails
+        then raises, and a retry commits the same offsets (a new process would start from the group's commits).
+
         Raises:
             BusError: the commit was refused, or the re-created member was given no partition of ``offsets`` in
                 ``timeout_s``. FatalBusError: the consumer is unusable and is not a group member that can be
@@ -827,6 +830,8 @@ class KafkaConsumer(Consumer):
             return
         if "group.instance.id" in self._conf:
             self._release()
+            self._assigned.clear()
+            self._paused.clear()
             return
         try:
             _bounded(f"close-{self.name}", self._c.close, CLOSE_TIMEOUT_S)

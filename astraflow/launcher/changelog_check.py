@@ -57,8 +57,9 @@ class ChangelogCheck:
                 the next look sends what is pending again, a next launcher reads those records again).
         """
         if self._consumer is None:
-            self._consumer = monitor.bus.consumer(self.names.changelog_check_group,
-                                                  client_id=f"{self.names.run}.launcher-changelog-check")
+            me = f"{self.names.run}.launcher-changelog-check"
+            # static: its close frees the client without librdkafka's consumer close (KafkaConsumer.close)
+            self._consumer = monitor.bus.consumer(self.names.changelog_check_group, client_id=me, instance_id=me)
             self._producer = monitor.bus.producer()
             self._consumer.subscribe(list(self._schemas))
         records = self._consumer.poll(500, timeout_s)

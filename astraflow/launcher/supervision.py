@@ -9,8 +9,9 @@ exits on its own ``MAX_START_FAILURES`` times before it ever got going (bad conf
 the run fails, naming it; so does one that exits with ``EXIT_BAD_INPUT``.
 
 Like a liveness probe, a component whose heartbeat file (:data:`astraflow.launched.HEARTBEAT_ENV`, touched every
-second by a thread of its own) has not been touched for ``FROZEN_S`` seconds is frozen whole: its process group
-gets SIGUSR1 (each writes its threads' stacks to its log: what held it) and then SIGKILL, and it is restarted.
+second by a thread of its own; one per rank under ``torchrun``) has not changed for ``FROZEN_S`` seconds of the
+launcher's monotonic clock is frozen whole: its process group gets SIGUSR1 (each writes its threads' stacks to its
+log: what held it) and then SIGKILL, and it is restarted.
 Seen in CI: a RaaS worker frozen in a librdkafka call that held the interpreter lock, the run stalled for 10 min.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ EXTERNAL_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP
 DONE_KINDS = ("acquire", "trainer")
 SEARCH_STARTUP_S = 120.0  # seconds the search server may take to answer /health (it indexes its corpus first)
 FROZEN_S = 120.0          # seconds a component's heartbeat file may go untouched before it is killed as frozen
+STACKS_WAIT_S = 3.0       # seconds a frozen component's log is given to grow with its stacks before SIGKILL
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -51,8 +53,15 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def heartbeat_file(c: Component) -> Path:
-    """The file that component ``c``'s processes touch while their Python runs (next to its log)."""
+    """The file that component ``c``'s process touches while its Python runs (next to its log); each rank of a
+    ``torchrun`` component touches its own, this name with ``.<rank>`` added (:func:`heartbeat_files`)."""
     return c.log.with_suffix(".alive")
+
+
+def heartbeat_files(c: Component) -> list[Path]:
+    """Every heartbeat file of component ``c`` there is: its process's and its ranks'."""
+    base = heartbeat_file(c)
+    return [p for p in base.parent.glob(base.name + "*") if p.name == base.name or p.suffix[1:].isdigit()]
 
 
 def log_tail(path: Path, n: int = 15) -> str:
@@ -96,6 +105,8 @@ class Supervisor:
         self.cfg, self.components, self.console = cfg, components, console
         #: set once the run stops: an exit is then no longer reported nor restarted
         self.stopping = False
+        #: component -> {heartbeat file: (its last mtime seen, ``time.monotonic()`` when that was first seen)}
+        self._beats: dict[str, dict[Path, tuple[float, float]]] = {}
 
     def start(self, comp: Component) -> None:
         """Start a process of ``comp``, in a session of its own, its output appended to its log, its placement's
@@ -103,7 +114,9 @@ class Supervisor:
         file (:func:`heartbeat_file`, removed first: an earlier process's does not count) in
         ``$ASTRAFLOW_HEARTBEAT_FILE``."""
         comp.log.parent.mkdir(parents=True, exist_ok=True)
-        heartbeat_file(comp).unlink(missing_ok=True)
+        for beat in heartbeat_files(comp):
+            beat.unlink(missing_ok=True)
+        self._beats.pop(comp.name, None)
         env = dict(comp.env or os.environ, PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    **{LAUNCHER_PID_ENV: str(os.getpid()), HEARTBEAT_ENV: str(heartbeat_file(comp))})
@@ -160,26 +173,40 @@ class Supervisor:
                 kill_group(c.proc)
 
     def _kill_if_frozen(self, c: Component) -> None:
-        """SIGUSR1 then SIGKILL the process group of live component ``c`` if its heartbeat file has gone untouched for
-        ``FROZEN_S`` seconds (a component that never touched it, such as a vLLM server, is not looked at); the
-        next :meth:`supervise` reports the kill and restarts it."""
-        try:
-            stale_s = time.time() - heartbeat_file(c).stat().st_mtime
-        except OSError:
-            return
+        """SIGUSR1 then SIGKILL the process group of live component ``c`` if one of its heartbeat files has not
+        changed for ``FROZEN_S`` seconds of this process's monotonic clock (a step of the wall clock, or a skewed
+        file server, moves no deadline; a component that never touched one, such as a vLLM server, is not looked
+        at); the next :meth:`supervise` reports the kill and restarts it."""
+        now = time.monotonic()
+        beats = self._beats.setdefault(c.name, {})
+        stale_s = 0.0
+        for path in heartbeat_files(c):
+            try:
+                mtime = path.stat().st_mtime
+            except OSError:
+                continue
+            seen, since = beats.get(path, (None, now))
+            if mtime != seen:
+                beats[path] = (mtime, now)
+            else:
+                stale_s = max(stale_s, now - since)
         if stale_s < FROZEN_S:
             return
         self.console.print(f"[bold red]watchdog: {c.name} has run no Python for {stale_s:.0f} s (frozen: a call that "
                            f"holds the interpreter lock, or a stopped process); killing it (its threads' stacks are "
                            f"in {c.log}); it restarts[/]")
-        heartbeat_file(c).unlink(missing_ok=True)
-        for sig in (signal.SIGUSR1, signal.SIGKILL):
-            try:
-                os.killpg(c.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                return
-            if sig == signal.SIGUSR1:
-                time.sleep(1.0)  # the stacks are written from the signal handler, without the interpreter lock
+        self._beats.pop(c.name, None)
+        try:
+            size = c.log.stat().st_size
+            os.killpg(c.proc.pid, signal.SIGUSR1)
+            # the stacks are written from the signal handler, without the interpreter lock: wait for them
+            deadline = time.monotonic() + STACKS_WAIT_S
+            while c.log.stat().st_size == size and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.2)
+            os.killpg(c.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, FileNotFoundError):
+            pass  # it is gone already: supervision reports it
 
     def supervise(self) -> list[Component]:
         """Report components that stopped while the run goes on and restart them after their back-off (module

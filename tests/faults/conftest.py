@@ -8,7 +8,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the private broker's port for the first pytest-xdist worker (and a run without workers); worker gwN uses
-#: PORT + 100 * N, so that fault tests on two workers never share a broker (one stopping it under the other)
+#: PORT + 10 * N (and the next two ports), so that fault tests on two workers never share a broker (one stopping it
+#: under the other); two test sessions at once on one machine need their own ASTRAFLOW_FAULT_KAFKA_PORT
 PORT = int(os.environ.get("ASTRAFLOW_FAULT_KAFKA_PORT", "19192"))
 
 
@@ -32,8 +33,9 @@ class PrivateBroker:
 
 
 @pytest.fixture
-def private_broker(worker_id):
-    broker = PrivateBroker(PORT + 100 * (int(worker_id[2:]) if worker_id.startswith("gw") else 0))
+def private_broker():
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # gwN under pytest-xdist
+    broker = PrivateBroker(PORT + 10 * int(worker[2:]))
     broker.start(fresh=True)
     try:
         yield broker

@@ -53,6 +53,8 @@ def dump_stacks(run_dir: Path) -> None:
     except (OSError, ValueError):
         return
     for c in components.values():
+        if c.get("exit_code") is not None:
+            continue  # exited: its pid may be another process's by now
         try:
             os.kill(c["pid"], signal.SIGUSR1)
         except (ProcessLookupError, PermissionError, KeyError, TypeError):
