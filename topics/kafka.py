@@ -58,8 +58,6 @@ MAX_MESSAGE_BYTES = 64 << 20
 _INVALID_OFFSET = -1001
 
 
-
-
 class _Reporter:
     """librdkafka's client errors as one log line per condition, not a line per reconnect attempt.
 
@@ -394,7 +392,8 @@ class KafkaProducer(Producer):
 
 #: Seconds a consumer's close may take before it is left behind (:meth:`KafkaConsumer.close`).
 CLOSE_TIMEOUT_S = 30.0
-#: Seconds the release of a replaced or closed static member's librdkafka consumer may take (:meth:`KafkaConsumer._release`).
+#: Seconds the release of a replaced or closed static member's librdkafka consumer may take
+#: (:meth:`KafkaConsumer._release`).
 RELEASE_TIMEOUT_S = 10.0
 #: Seconds a consumer's offset commit may take before the consumer is given up (see :meth:`KafkaConsumer.commit`).
 COMMIT_TIMEOUT_S = 60.0

@@ -34,7 +34,8 @@ def test_a_frozen_component_is_killed_with_its_stacks_and_restarted_and_a_sleepi
     monkeypatch.setattr(supervision, "FROZEN_S", 8.0)
     cfg = load_config(ROOT / "examples" / "arith-tiny.yaml", [f"run_dir={tmp_path}"])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    frozen = Component("raas-0", [sys.executable, "-c", STAND_IN.format(wait="while True: ctypes.PyDLL(None).sleep(300)")],
+    frozen_wait = "while True: ctypes.PyDLL(None).sleep(300)"
+    frozen = Component("raas-0", [sys.executable, "-c", STAND_IN.format(wait=frozen_wait)],
                        tmp_path / "logs" / "raas-0.log", env=env)
     sleeping = Component("acquire", [sys.executable, "-c", STAND_IN.format(wait="time.sleep(300)")],
                          tmp_path / "logs" / "acquire.log", env=env)
