@@ -71,13 +71,9 @@ class _Reporter:
         self._seen: dict[int, tuple[float, int]] = {}  # code -> (last logged, repeats since)
         self.last: str | None = None  # the newest error's text, for the message of a failure it explains
         self.quiet = False  # record only: the caller reports the failure itself
-        #: ``time.monotonic()`` of the newest error saying no broker of the cluster can be reached (None: none yet)
-        self.unreachable_at: float | None = None
 
     def __call__(self, err: KafkaError) -> None:
         self.last = err.str()
-        if err.code() == KafkaError._ALL_BROKERS_DOWN:
-            self.unreachable_at = time.monotonic()
         if self.quiet:
             return
         now = time.monotonic()
@@ -420,8 +416,7 @@ class KafkaConsumer(Consumer):
         session_ms = int(session_timeout_s * 1000)
         static = {"group.instance.id": instance_id} if instance_id and group else {}
         self.name = client_id or group or ""
-        self._reporter = _Reporter(f"consumer {self.name}".strip())
-        self._conf = {**static, **self._reporter.conf(), **security,
+        self._conf = {**static, **_Reporter(f"consumer {self.name}".strip()).conf(), **security,
             "bootstrap.servers": bootstrap,
             "group.id": group or f"astraflow-free-{uuid.uuid4().hex}",
             "client.id": client_id or f"astraflow-{uuid.uuid4().hex[:8]}",
@@ -615,9 +610,6 @@ class KafkaConsumer(Consumer):
             return False
         now = time.monotonic()
         since, asked = self._quiet or (now, 0.0)
-        # the bound runs from the broker's return: a member needs a moment to rejoin a restarted broker (seen in CI:
-        # re-created 4 s after the restart, the member was still rejoining)
-        since = max(since, self._reporter.unreachable_at or since)
         self._quiet = (since, asked)
         if now - since < QUIET_RENEW_S or now - asked < QUIET_RENEW_S / 4:
             return False
@@ -725,8 +717,7 @@ class KafkaConsumer(Consumer):
             self._no_coordinator_since = None
             return False
         now = time.monotonic()
-        # counted from the broker's return, like _left_out's bound: a restarted broker's coordinator takes a moment
-        self._no_coordinator_since = max(self._no_coordinator_since or now, self._reporter.unreachable_at or 0.0)
+        self._no_coordinator_since = self._no_coordinator_since or now
         if now - self._no_coordinator_since < NO_COORDINATOR_RENEW_S:
             return False
         if not _broker_answers(self._c):
