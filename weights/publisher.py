@@ -5,6 +5,9 @@ returns; a background thread encodes the delta against the last published
 version, uploads it, and announces a :class:`WeightAnnouncement` on
 ``<run>.weights``.
 
+The thread starts by loading the delta codec's compiled kernels (:func:`weights.codec.warm_kernels`, ~1
+CPU-second once per process), before the first version comes.
+
 Host memory: three rotating CPU buffers, each the size of the state dict: the
 last published version (the delta base), the version being encoded, and the
 newest pending copy (the double buffer is the last two). When the worker falls
@@ -46,7 +49,7 @@ from topics.bus import Bus
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
 from topics.schemas import WeightAnnouncement
-from weights.codec import encode_delta, save_full, state_sha256
+from weights.codec import encode_delta, save_full, state_sha256, warm_kernels
 from weights.store import ObjectExists, StoreError, StoreUnavailable, WeightStore
 
 log = logging.getLogger(__name__)
@@ -190,6 +193,7 @@ class Publisher:
     # ---- background worker -----------------------------------------------------------
 
     def _run(self) -> None:
+        warm_kernels()  # before the first version comes: the first delta then finds the codec loaded
         failures = 0  # failed attempts in a row
         while True:
             with self._cv:
