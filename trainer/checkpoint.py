@@ -105,6 +105,19 @@ def save_checkpoint(root: str | Path, *, version: int, model: torch.nn.Module, o
                      policies=policies, renumbered=renumbered, keep=keep)
 
 
+def prepare_save(model: torch.nn.Module) -> None:
+    """Pay now the one-time imports of the first :func:`save_checkpoint`.
+
+    ``save_pretrained`` unwraps the model through accelerate, which imports deepspeed where it is installed: 0.3
+    CPU-seconds with bytecode, 0.9 without, on this project's 2-core machine, against ~10 ms for each later
+    checkpoint of the tiny model. The trainer calls this at start, while it waits for its first batch, so that its
+    first checkpoint does not cost a step in the run's steady state that much.
+    """
+    from transformers.modeling_utils import unwrap_model
+
+    unwrap_model(model)
+
+
 def _new_tmp(root: Path, version: int) -> tuple[str, Path]:
     """(the checkpoint's final name, a fresh temporary directory for it) under ``root``."""
     root.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,8 @@ from topics.names import TopicNames
 from topics.patience import patiently
 from topics.reader_watch import ReaderWatch
 from topics.schemas import TrainedBatch, TrainerProgress
-from trainer.checkpoint import load_checkpoint, load_latest, save_checkpoint, save_distributed_checkpoint
+from trainer.checkpoint import (load_checkpoint, load_latest, prepare_save, save_checkpoint,
+                                save_distributed_checkpoint)
 from trainer.config import TrainerConfig
 from trainer.coupling import VersionBarrier
 from trainer.loop import Trainer
@@ -184,6 +185,8 @@ class TrainerService:
         self._progress_sent: tuple[int, int, bool, bool] | None = None
         self._progress_ts = 0.0
         self._resume()
+        if self.trainer.backend.CHECKPOINT_DIR is None:  # checkpoints go through save_pretrained
+            prepare_save(self.trainer.model)
 
     def _resume(self) -> None:
         ckpt = load_latest(self.run_dir / CHECKPOINTS)
