@@ -127,6 +127,30 @@ def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: in
     return (ends[-1] - ends[0]) / (iters - 1), {k: statistics.median(v[1:]) for k, v in stages.items()}
 
 
+def loaded_stages(iters: int, batch: int, g: int, seed: int, copies: int = 2) -> dict[str, float]:
+    """The 1-thread loop's stage seconds per iteration (as :func:`sequential_s_per_iter`) measured with ``copies``
+    copies of it running at once, one per core: what each stage costs on a machine whose cores are all busy, as
+    they are under any pipeline that reaches the 2-core bound. Each stage's median over the copies.
+
+    Alone, a stage runs with the other core idle: two copies at once took 3-7% longer per stage on this project's
+    2-core machine (2026-12-05: rollout 0.129-0.133 against 0.119-0.124 s, solver 0.154-0.156 against 0.147-0.154,
+    verifier 0.104-0.105 against 0.102), shared caches and memory bandwidth, so a bound from the idle-core stage
+    times is one no pipeline that keeps both cores busy can reach.
+
+    Raises:
+        RuntimeError: a copy failed.
+    """
+    cmd = [sys.executable, __file__, "--loop-stages", str(iters), str(batch), str(g), str(seed)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(copies)]
+    outs = [p.communicate() for p in procs]
+    failed = [err[-2000:] for p, (_, err) in zip(procs, outs) if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"a copy of the loaded loop failed:\n{failed[0]}")
+    runs = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
 def two_core_bound(stages: dict[str, float], workers: int, cores: int = 2) -> float:
     """The least seconds per iteration any pipeline of these stages can take on ``cores`` cores:
     ``max(stage sum / cores, largest stage)``, the rollout stage split over ``workers`` RaaS workers (prompts are
@@ -205,7 +229,13 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                     help="a run-config override for the pipeline, e.g. placement.raas.nice=10 (repeatable)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="limit of one pipeline run")
+    ap.add_argument("--loop-stages", type=int, nargs=4, metavar=("ITERS", "BATCH", "G", "SEED"),
+                    help=argparse.SUPPRESS)  # one copy of the loaded loop (loaded_stages): prints its stages as JSON
     a = ap.parse_args()
+    if a.loop_stages:
+        iters, batch, g, seed = a.loop_stages
+        print(json.dumps(sequential_s_per_iter(iters, batch, g, 1, seed)[1]))
+        return
     a.place = a.place or []
     iters, batch, g = (16 if a.quick else 32), 16, 8
     print(f"workload: solve_verify_retry on arith, tiny solver + tiny verifier, {iters} iterations of "
@@ -213,7 +243,7 @@ def main() -> None:
           f"pipeline {a.raas_workers} RaaS worker(s), 1 thread per process, placement: "
           f"{', '.join(a.place) or 'none (the OS schedules)'}; overrides: {' '.join(a.overrides) or 'none'}",
           flush=True)
-    seq, pipe, bounds = [], [], []
+    seq, pipe, bounds, idle_bounds = [], [], [], []
     for r in range(a.repeats):
         tried = {}
         for t in a.threads:
@@ -221,7 +251,11 @@ def main() -> None:
             print(f"[{r}] sequential multi-agent loop, {t} thread(s): {tried[t]:.3f} s/iter ("
                   + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()) + ")", flush=True)
             if t == 1:  # the pipeline's processes run one thread each: their stages cost what these do
-                bounds.append(two_core_bound(stages, a.raas_workers))
+                idle_bounds.append(two_core_bound(stages, a.raas_workers))
+                loaded = loaded_stages(iters, batch, g, seed=r)
+                print(f"[{r}] the same loop, two copies at once (both cores busy): "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in loaded.items()), flush=True)
+                bounds.append(two_core_bound(loaded, a.raas_workers))
         seq.append(min(tried.values()))
         value, wall = pipeline_s_per_iter(iters, batch, g, a.raas_workers, a.timeout_s, a.place, a.overrides)
         pipe.append(value)
@@ -232,21 +266,29 @@ def main() -> None:
               f"over {len(xs)} run(s)")
     value, baseline = statistics.median(pipe), statistics.median(seq)
     bound = statistics.median(bounds) if bounds else None
+    idle_bound = statistics.median(idle_bounds) if idle_bounds else None
     if bound is not None:
         print(f"2-core bound: {bound:.3f} s/iter (max(stage sum / 2, largest stage), stages of the 1-thread "
-              f"loop); the pipeline's efficiency {bound / value:.2f} of it", flush=True)
+              f"loop run as two copies at once); the pipeline's efficiency {bound / value:.2f} of it; from the "
+              f"loop's stages alone (the other core idle) {idle_bound:.3f}, efficiency {idle_bound / value:.2f}",
+              flush=True)
     ratio = spread([b / v for b, v in zip(seq, pipe)], 3)
     print(f"ratio (sequential / pipeline), repetition by repetition: {describe(ratio, '.2f')}", flush=True)
     per_rep = [round(b / v, 3) for b, v in zip(bounds, pipe)]
+    per_rep_idle = [round(b / v, 3) for b, v in zip(idle_bounds, pipe)]
     if per_rep:
-        print(f"efficiency, repetition by repetition: {per_rep}", flush=True)
+        print(f"efficiency, repetition by repetition: {per_rep} (against the idle-core bound {per_rep_idle})",
+              flush=True)
     print(json.dumps({"metric": "multipolicy_s_per_iter", "value": round(value, 4), "baseline": round(baseline, 4),
                       "ratio": round(baseline / value, 3), "ratio_spread": ratio, "pipeline_s_per_iter": spread(pipe),
                       "sequential_s_per_iter": spread(seq),
                       "bounds": spread(bounds), "repeats": a.repeats, "placement": a.place,
                       "overrides": a.overrides,
                       "bound": None if bound is None else round(bound, 4),
-                      "efficiency": None if bound is None else round(bound / value, 3), "efficiency_runs": per_rep}))
+                      "efficiency": None if bound is None else round(bound / value, 3), "efficiency_runs": per_rep,
+                      "bound_idle": None if idle_bound is None else round(idle_bound, 4),
+                      "efficiency_idle": None if idle_bound is None else round(idle_bound / value, 3),
+                      "efficiency_idle_runs": per_rep_idle}))
 
 
 if __name__ == "__main__":
