@@ -5,6 +5,7 @@ renders the result.
 ``policy``, ``trainer``) start one part each, for multi-machine deployments: each takes the same CONFIG plus
 ``key=value`` overrides (e.g. ``bus=kafka://broker:9092 store=s3://bucket/runs``).
 """
+import gc
 import importlib.metadata
 import json
 import logging
@@ -101,7 +102,9 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     stop = setup_component(f"raas-{worker_id}", cfg)
     from producers.raas import RaasWorker  # after the setup: a SIGTERM while torch loads stops it cleanly
 
-    RaasWorker(cfg.raas_section(), worker_id, vllm_urls=vllm_urls, search_url=search_url).run(stop)
+    worker = RaasWorker(cfg.raas_section(), worker_id, vllm_urls=vllm_urls, search_url=search_url)
+    gc.freeze()  # its engines and tokenizers live as long as the process: out of the collector's sight (trainer.main)
+    worker.run(stop)
 
 
 @app.command()

@@ -29,11 +29,16 @@ Steady-state seconds per iteration, excluding start-up and model loading: an
 iteration ends when both policies have reached version v (sequential: both
 trained and synced; pipeline: the later of the two trainers' Metric timestamps
 for step v). Sequential: s/iter = (end(N) - end(1)) / (N - 1). Pipeline: over
-the window W = [end(K), end(N)] (K = 2, after start-up), s/iter = |W| /
-min(N - K, prompts rolled out in W / B), so groups rolled out ahead before the
-window (bounded by backpressure to a few iterations) do not make the
-pipeline look faster than its slowest stage (rollouts counted by their
-``outcomes`` timestamps).
+the window W = [end(K), end(N)] (K = 2, after start-up), s/iter = (|W| + D x
+rollout) / (N - K), D = max(0, N - K - prompts rolled out in W / B) the batches
+trained in W but rolled out before it (RaaS's lead at the window's start, built
+while the trainers started) and ``rollout`` the loaded loop's rollout stage
+(seconds per batch): groups rolled out ahead before the window do not make the
+pipeline look faster than its stages, each charged the time one core takes to
+roll it out (rollouts counted by their ``outcomes`` timestamps). The strict
+count, |W| / min(N - K, prompts rolled out in W / B) (the measure until
+2026-12-05), charged a whole iteration per such batch, and is reported too
+(:func:`pipeline_s_per_iter`).
 
 Threads: the brief is "equal cores" (2). On a machine shared with other jobs,
 2 intra-op threads can be several times slower than 1 for this tiny model
@@ -41,13 +46,16 @@ Threads: the brief is "equal cores" (2). On a machine shared with other jobs,
 1 and with 2 threads and the faster one is the baseline.
 
 Usage: ``scripts/bench_multipolicy.py [--quick] [--repeats R]``. Repetitions alternate the loop and the
-pipeline (R = 3 by default: ~5-6 minutes on 2 cores, a repetition ~1.5-2). Prints each measurement,
+pipeline (R = 3 by default: ~4 minutes on 2 cores, a repetition ~1.3). Prints each measurement,
 min/median/max over repeats and each repetition's ratio, and ends with one JSON line
 ``{"metric": "multipolicy_s_per_iter", "value": pipeline, "baseline": sequential, "ratio": baseline/value,
 "ratio_spread": {"runs", "median", "min", "max"}, "pipeline_s_per_iter": {...}, "sequential_s_per_iter":
-{...}, "bound": ..., "efficiency": bound/value}`` (medians over repeats): the bound is the least s/iter of any
-pipeline on 2 cores, ``max(stage sum / 2, largest stage)``, from the 1-thread loop's stage times
-(:func:`two_core_bound`; needs 1 in ``--threads``).
+{...}, "bound": ..., "efficiency": bound/value, "efficiency_runs", "pipeline_s_per_iter_strict",
+"efficiency_strict_runs", "bound_idle", "efficiency_idle_strict_runs"}`` (medians over repeats): the bound is the
+least s/iter of any pipeline on 2 cores, ``max(stage sum / 2, largest stage)``, from the 1-thread loop's stage
+times measured with both cores busy (two copies at once, :func:`loaded_stages`, :func:`two_core_bound`; needs 1 in
+``--threads``); ``bound_idle`` from the same loop alone, and ``efficiency_idle_strict_runs`` that bound over the
+strict count, the measure until 2026-12-05.
 """
 from __future__ import annotations
 
@@ -162,8 +170,18 @@ def two_core_bound(stages: dict[str, float], workers: int, cores: int = 2) -> fl
 
 
 def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s: float, place: list[str],
-                        extra: list[str], first: int = 2) -> tuple[float, float]:
-    """The pipeline's steady-state seconds per iteration and the run's whole wall time (seconds).
+                        extra: list[str], rollout_s: float | None, first: int = 2) -> tuple[float, float, float]:
+    """The pipeline's steady-state seconds per iteration, the same by the strict count, and the run's whole wall
+    time (seconds), over the window of the module docstring.
+
+    ``rollout_s`` is the loaded loop's rollout stage (seconds per batch, :func:`loaded_stages`): each batch the
+    trainers took in the window that RaaS did not roll out in it (it had rolled it out before, its lead at the
+    window's start: 2-4 batches, built while the trainers started) adds that much to the window, the time one
+    core takes to roll it out, the most its work can add. The strict count (until 2026-12-05, and without
+    ``rollout_s``), ``|W| / min(versions, batches rolled out in W)``, charged a whole iteration per such batch,
+    about three times the rollout's share of an iteration's work, and the same pace of the trainers came out up to
+    7% apart from one repetition to the next by how far ahead RaaS was when the window opened (28 to 31 batches
+    rolled out in windows of 30 versions, 2026-12-05).
 
     Raises:
         RuntimeError: the run failed or did not reach version ``iters`` for both policies.
@@ -201,7 +219,10 @@ def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s:
     rolled_iters = sum(start_w < t <= end_w for t in rolled) / batch
     print(f"    pipeline window: {iters - first} versions trained, {rolled_iters:.2f} iterations rolled out "
           f"in {end_w - start_w:.2f} s", flush=True)
-    return (end_w - start_w) / min(iters - first, rolled_iters), wall
+    strict = (end_w - start_w) / min(iters - first, rolled_iters)
+    if rollout_s is None:
+        return strict, strict, wall
+    return (end_w - start_w + max(0.0, iters - first - rolled_iters) * rollout_s) / (iters - first), strict, wall
 
 
 def rollout_times(bus_url: str, run: str, policy: str) -> list[float]:
@@ -243,9 +264,9 @@ def main() -> None:
           f"pipeline {a.raas_workers} RaaS worker(s), 1 thread per process, placement: "
           f"{', '.join(a.place) or 'none (the OS schedules)'}; overrides: {' '.join(a.overrides) or 'none'}",
           flush=True)
-    seq, pipe, bounds, idle_bounds = [], [], [], []
+    seq, pipe, strict, bounds, idle_bounds = [], [], [], [], []
     for r in range(a.repeats):
-        tried = {}
+        tried, rollout_s = {}, None
         for t in a.threads:
             tried[t], stages = sequential_s_per_iter(iters, batch, g, t, seed=r)
             print(f"[{r}] sequential multi-agent loop, {t} thread(s): {tried[t]:.3f} s/iter ("
@@ -256,11 +277,14 @@ def main() -> None:
                 print(f"[{r}] the same loop, two copies at once (both cores busy): "
                       + ", ".join(f"{k} {v:.3f}" for k, v in loaded.items()), flush=True)
                 bounds.append(two_core_bound(loaded, a.raas_workers))
+                rollout_s = loaded["rollout"]
         seq.append(min(tried.values()))
-        value, wall = pipeline_s_per_iter(iters, batch, g, a.raas_workers, a.timeout_s, a.place, a.overrides)
+        value, value_strict, wall = pipeline_s_per_iter(iters, batch, g, a.raas_workers, a.timeout_s, a.place,
+                                                        a.overrides, rollout_s)
         pipe.append(value)
-        print(f"[{r}] dataflow pipeline:            {value:.3f} s/iter (whole run incl. start-up {wall:.1f} s)",
-              flush=True)
+        strict.append(value_strict)
+        print(f"[{r}] dataflow pipeline:            {value:.3f} s/iter, strict count {value_strict:.3f} (whole run "
+              f"incl. start-up {wall:.1f} s)", flush=True)
     for name, xs in (("sequential", seq), ("pipeline", pipe)):
         print(f"{name}: min {min(xs):.3f}  median {statistics.median(xs):.3f}  max {max(xs):.3f} s/iter "
               f"over {len(xs)} run(s)")
@@ -270,15 +294,15 @@ def main() -> None:
     if bound is not None:
         print(f"2-core bound: {bound:.3f} s/iter (max(stage sum / 2, largest stage), stages of the 1-thread "
               f"loop run as two copies at once); the pipeline's efficiency {bound / value:.2f} of it; from the "
-              f"loop's stages alone (the other core idle) {idle_bound:.3f}, efficiency {idle_bound / value:.2f}",
-              flush=True)
+              f"loop's stages alone (the other core idle) {idle_bound:.3f}", flush=True)
     ratio = spread([b / v for b, v in zip(seq, pipe)], 3)
     print(f"ratio (sequential / pipeline), repetition by repetition: {describe(ratio, '.2f')}", flush=True)
     per_rep = [round(b / v, 3) for b, v in zip(bounds, pipe)]
-    per_rep_idle = [round(b / v, 3) for b, v in zip(idle_bounds, pipe)]
+    per_rep_strict = [round(b / v, 3) for b, v in zip(bounds, strict)]
+    per_rep_idle = [round(b / v, 3) for b, v in zip(idle_bounds, strict)]  # the measure until 2026-12-05
     if per_rep:
-        print(f"efficiency, repetition by repetition: {per_rep} (against the idle-core bound {per_rep_idle})",
-              flush=True)
+        print(f"efficiency, repetition by repetition: {per_rep}; by the strict count {per_rep_strict}; by the strict "
+              f"count against the idle-core bound (the measure until 2026-12-05) {per_rep_idle}", flush=True)
     print(json.dumps({"metric": "multipolicy_s_per_iter", "value": round(value, 4), "baseline": round(baseline, 4),
                       "ratio": round(baseline / value, 3), "ratio_spread": ratio, "pipeline_s_per_iter": spread(pipe),
                       "sequential_s_per_iter": spread(seq),
@@ -286,9 +310,9 @@ def main() -> None:
                       "overrides": a.overrides,
                       "bound": None if bound is None else round(bound, 4),
                       "efficiency": None if bound is None else round(bound / value, 3), "efficiency_runs": per_rep,
+                      "pipeline_s_per_iter_strict": spread(strict), "efficiency_strict_runs": per_rep_strict,
                       "bound_idle": None if idle_bound is None else round(idle_bound, 4),
-                      "efficiency_idle": None if idle_bound is None else round(idle_bound / value, 3),
-                      "efficiency_idle_runs": per_rep_idle}))
+                      "efficiency_idle_strict_runs": per_rep_idle}))
 
 
 if __name__ == "__main__":

@@ -73,3 +73,31 @@ def test_a_resave_killed_at_any_step_leaves_a_complete_latest(tiny_model_dir, tm
     # before LATEST moved: the first save; after it: the re-save
     assert ck.offsets == {TopicPartition("t", 0): 5 if call in ("rename", "replace") else 9}
     assert sum(p.numel() for p in load_causal_lm(ck.model_dir, "float32").parameters()) > 0
+
+
+def test_prepare_save_pays_the_first_checkpoints_imports(tiny_model_dir, tmp_path):
+    """The first save_pretrained imports deepspeed through accelerate (0.3-0.9 CPU-s, once per process): without
+    prepare_save a fresh interpreter's first checkpoint imports it; after it, nothing of deepspeed, accelerate or
+    transformers (a few small torch and numpy modules are left, milliseconds)."""
+    def first_checkpoint_imports(prepare: bool, root: Path) -> set[str]:
+        script = f"""
+import sys
+import torch
+from trainer.checkpoint import prepare_save, save_checkpoint
+from trainer.model import load_causal_lm
+model = load_causal_lm({str(tiny_model_dir)!r}, "float32")
+optimizer = torch.optim.Adam(model.parameters())
+if {prepare}:
+    prepare_save(model)
+before = set(sys.modules)
+save_checkpoint({str(root)!r}, version=1, model=model, optimizer=optimizer, offsets={{}})
+print(sorted(set(sys.modules) - before))
+"""
+        out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert load_latest(root).version == 1
+        return {m.split(".")[0] for m in eval(out.stdout.strip().splitlines()[-1])}
+
+    heavy = {"deepspeed", "accelerate", "transformers"}
+    assert "deepspeed" in first_checkpoint_imports(False, tmp_path / "cold")
+    assert not heavy & first_checkpoint_imports(True, tmp_path / "warm")

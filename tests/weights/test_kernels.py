@@ -2,6 +2,10 @@
 and ragged tails, for every element width, and hashes as xxh3-128 does in one call; gaps and values are coded and
 byte-plane split as numpy does it; applying changes writes every value coding bit-exactly at gap or bitmap positions,
 keeps the undo log, and stops at positions that do not fit."""
+import subprocess
+import sys
+from pathlib import Path
+
 import numba
 import numpy as np
 import pytest
@@ -135,3 +139,28 @@ def test_a_kernel_numba_cannot_cache_is_compiled_per_process():
     with pytest.raises(RuntimeError, match="cannot cache"):
         numba.njit(cache=True)(namespace["twice"])
     assert _kernel()(namespace["twice"])(21) == 42
+
+
+def test_warm_kernels_leaves_the_first_delta_nothing_to_import():
+    """The publisher's thread calls warm_kernels as it starts: afterwards a fresh interpreter's first delta of
+    float32 and bfloat16 tensors, encoded and applied, imports no module (numba and the kernels are loaded)."""
+    script = """
+import sys
+import torch
+from weights.codec import apply_delta, encode_delta, warm_kernels
+assert "numba" not in sys.modules
+warm_kernels()
+before = set(sys.modules)
+old = {"a": torch.zeros(5000), "b": torch.zeros(3000, dtype=torch.bfloat16)}
+new = {k: v.clone() for k, v in old.items()}
+new["a"][::3] = 1.5
+new["b"][::5] = -2.0
+delta = encode_delta(old, new, base_version=1, version=2)
+apply_delta(delta.data, old)
+assert all(torch.equal(old[k], new[k]) for k in old)
+print(sorted(set(sys.modules) - before))
+"""
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
