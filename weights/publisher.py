@@ -193,7 +193,10 @@ class Publisher:
     # ---- background worker -----------------------------------------------------------
 
     def _run(self) -> None:
-        warm_kernels()  # before the first version comes: the first delta then finds the codec loaded
+        try:  # before the first version comes: the first delta then finds the codec loaded
+            warm_kernels()
+        except Exception as e:  # the first delta attempt meets the same failure, where it is handled and counted
+            log.warning("publisher %s: could not load the delta codec ahead (%s: %s)", self.policy, type(e).__name__, e)
         failures = 0  # failed attempts in a row
         while True:
             with self._cv:
