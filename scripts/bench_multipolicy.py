@@ -140,10 +140,11 @@ def loaded_stages(iters: int, batch: int, g: int, seed: int, copies: int = 2) ->
     copies of it running at once, one per core: what each stage costs on a machine whose cores are all busy, as
     they are under any pipeline that reaches the 2-core bound. Each stage's median over the copies.
 
-    Alone, a stage runs with the other core idle: two copies at once took 3-7% longer per stage on this project's
-    2-core machine (2026-12-05: rollout 0.129-0.133 against 0.119-0.124 s, solver 0.154-0.156 against 0.147-0.154,
-    verifier 0.104-0.105 against 0.102), shared caches and memory bandwidth, so a bound from the idle-core stage
-    times is one no pipeline that keeps both cores busy can reach.
+    Alone, a stage runs with the other core idle: two copies at once took 0-7% longer per stage on this project's
+    2-core machine over 2026-12-05 (one hour: rollout 0.129-0.133 against 0.119-0.124 s, solver 0.154-0.156 against
+    0.147-0.154, verifier 0.104-0.105 against 0.102; an hour later within noise of the idle-core times), shared
+    caches and memory bandwidth, so a bound from the idle-core stage times is one no pipeline that keeps both cores
+    busy can reach.
 
     Raises:
         RuntimeError: a copy failed.
