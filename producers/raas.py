@@ -308,19 +308,25 @@ class RaasWorker:
         (the rest of a batch is replayed), after which a group produced now would be too stale to train (so that
         groups are not produced only to be dropped)."""
         pc = self.cfg.policies[policy]
-        fresh = max(1, round(pc.batch_groups * self.cfg.fresh_fraction.get(policy, 1.0)))
-        return self.cfg.raas.max_inflight_groups or fresh * max(pc.max_staleness, 1)
+        return self.cfg.raas.max_inflight_groups or self._fresh_per_version(policy) * max(pc.max_staleness, 1)
 
-    def inflight_groups(self, policy: str) -> int | None:
-        """Groups of ``policy`` produced but not yet taken by its filters and trainer (records), or
-        None when its trainer has finished or waits at a barrier for its peers (it holds no rollout back).
+    def _fresh_per_version(self, policy: str) -> int:
+        """The fresh groups ``policy``'s trainer takes a version: ``round(batch_groups x fresh_fraction)``, at
+        least 1 (the rest of a batch is replayed)."""
+        return max(1, round(self.cfg.policies[policy].batch_groups * self.cfg.fresh_fraction.get(policy, 1.0)))
+
+    def inflight_groups(self, policy: str) -> tuple[int, int | None] | None:
+        """Groups of ``policy`` produced but not yet taken by its filters and trainer (records), with the version
+        its trainer trains the first of them at (None: not known yet); None when its trainer has finished or waits
+        at a barrier for its peers (it holds no rollout back).
 
         The filters' share is their committed lag on ``trajectories.<policy>`` (they commit every
         transaction). The trainer's is the end offsets of ``samples.<policy>`` minus its position:
-        the newer of its :class:`TrainerProgress` heartbeat and its newest weight announcement's
-        ``samples_consumed``. With neither yet, it is the trainer group's committed lag less
-        ``checkpoint_every x batch_groups`` (trainers commit only at checkpoints). On Kafka, the
-        transaction marker after a partition's last record adds one per partition.
+        the newer of its :class:`TrainerProgress` heartbeat (``consumed``, before it takes the batch of
+        ``version``) and its newest weight announcement (``samples_consumed``, after the batch that made
+        ``version``, which trains the next one), each with its own version. With neither yet, it is the trainer
+        group's committed lag less ``checkpoint_every x batch_groups`` (trainers commit only at checkpoints). On
+        Kafka, the transaction marker after a partition's last record adds one per partition.
 
         Raises:
             BusError: the topics do not exist yet.
@@ -331,14 +337,16 @@ class RaasWorker:
         total = sum(self.admin.group_lag(self.names.filter_group(policy), self.names.trajectories(policy)).values())
         puller, pc = self.pullers[policy], self.cfg.policies[policy]
         announced = puller.announced.get(puller.newest) if puller.newest is not None else None
-        positions = [x for x in (progress.consumed if progress else None,
-                                 announced.samples_consumed if announced else None) if x is not None]
-        if positions:
-            total += max(0, sum(self.admin.end_offsets(self.names.samples(policy)).values()) - max(positions))
-        else:
-            lag = sum(self.admin.group_lag(self.names.trainer_group(policy), self.names.samples(policy)).values())
-            total += max(0, lag - pc.checkpoint_every * pc.batch_groups)
-        return total
+        # (position, the version the group at it is trained at): each report's version goes with its own position
+        reports = [(progress.consumed, progress.version)] if progress is not None and progress.consumed is not None \
+            else []
+        if announced is not None and announced.samples_consumed is not None:
+            reports.append((announced.samples_consumed, announced.version))
+        if reports:
+            position, version = max(reports)
+            return total + max(0, sum(self.admin.end_offsets(self.names.samples(policy)).values()) - position), version
+        lag = sum(self.admin.group_lag(self.names.trainer_group(policy), self.names.samples(policy)).values())
+        return total + max(0, lag - pc.checkpoint_every * pc.batch_groups), None
 
     def commanded(self) -> tuple[str, str, int | None]:
         """What the operators' and controllers' commands on ``control`` (:class:`~topics.schemas.Control`)
@@ -376,12 +384,12 @@ class RaasWorker:
 
         Per policy: its engine is more than ``max_staleness`` versions behind the newest durable
         version or its trainer's reported version (what is rolled out now would be dropped as stale);
-        at the trainer's pace of ``batch_groups`` groups per version, a batch rolled out now would be
-        trained more than ``max_staleness`` versions after its engine's version (the groups in flight
-        are trained first); or a batch (``raas.batch_prompts`` groups) on top of the groups in flight
-        would pass :meth:`inflight_limit` (a worker with nothing in flight always rolls out). The groups in
-        flight count those this worker is rolling out now (its prompts in flight). A policy whose trainer has
-        finished, or waits at a barrier for its peers, holds nothing back.
+        at the trainer's pace of ``round(batch_groups x fresh_fraction)`` fresh groups per version, a batch
+        rolled out now would start being trained more than ``max_staleness`` versions after its engine's
+        version (the groups in flight are trained first); or a batch (``raas.batch_prompts`` groups) on top
+        of the groups in flight would pass :meth:`inflight_limit` (a worker with nothing in flight always rolls
+        out). The groups in flight count those this worker is rolling out now (its prompts in flight). A policy
+        whose trainer has finished, or waits at a barrier for its peers, holds nothing back.
         The staleness rule is :func:`policies.staleness.too_stale`, the serving stage's.
         """
         self.progress.poll()
@@ -392,22 +400,25 @@ class RaasWorker:
         batch = self.cfg.raas.batch_prompts
         for p in self.policies:
             try:
-                inflight = self.inflight_groups(p)
+                counted = self.inflight_groups(p)
             except BusError:
                 continue  # topics not created yet: nothing in flight
-            if inflight is None:
+            if counted is None:
                 continue  # its trainer finished or waits at a barrier: it holds nothing back
+            inflight, version = counted
             # and the groups this worker is rolling out now, one per role the policy plays per prompt
             inflight += len(self.episodes) * sum(1 for q in self.workflow.policies.values() if q == p)
             progress, pc = self.progress.latest.get(f"trainer.{p}"), self.cfg.policies[p]
-            if progress is not None:
-                # the trainer takes the groups in flight first, batch_groups per version: a batch rolled out now
-                # is trained at about its version + inflight // batch_groups (at max_staleness 0: wait for each
-                # new version)
-                engine = self.engines[p].version
-                if too_stale(engine, progress.version, pc.max_staleness):
-                    return f"{p} weights {staleness(engine, progress.version)} versions behind its trainer"
-                trained_at = progress.version + inflight // pc.batch_groups
+            engine = self.engines[p].version
+            if progress is not None and too_stale(engine, progress.version, pc.max_staleness):
+                return f"{p} weights {staleness(engine, progress.version)} versions behind its trainer"
+            if version is not None:
+                # the trainer takes the groups in flight first, in order, a version's fresh groups at a time: a
+                # batch rolled out now starts being trained at version + inflight // that (at max_staleness 0: wait
+                # for each new version). Its first group, not its last: waiting until the whole batch would be
+                # trained in time left the bottleneck trainer without data (0.5 s in 10 in the solver-verifier
+                # pipeline), for a few groups dropped now and then
+                trained_at = version + inflight // self._fresh_per_version(p)
                 if too_stale(engine, trained_at, pc.max_staleness):
                     return (f"a batch of {p} rolled out now would be trained about {staleness(engine, trained_at)} "
                             f"versions stale ({inflight} groups in flight ahead of it; max_staleness "

@@ -87,7 +87,10 @@ def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: in
     median seconds per iteration: ``rollout``, ``train.solver``, ``train.verifier``, ``sync``."""
     import torch
 
+    from astraflow.launched import keep_freed_memory
+
     torch.set_num_threads(threads)
+    keep_freed_memory()  # as every component of the pipeline does (astraflow.launched.component_setup)
     from astraflow.config import load_config
     from producers.engine_batcher import EngineBatcher
     from producers.engines import SamplingParams

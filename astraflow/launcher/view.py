@@ -13,6 +13,9 @@ from rich.live import Live
 from astraflow.monitor import RunMonitor
 from topics.bus import BusError
 
+#: seconds a round of the live view takes at least (the table redraws once a second; the watchdogs' bounds are tens
+#: of seconds): metrics arrive several times a second, and a round for each cost the launcher 3-4% of a core
+ROUND_S = 1.0
 VIEW_JOIN_S = 150.0       # > one live-view round with the bus down: lags (10 s metadata + 30 s offsets), members (30 s), watchdog lags (40 s)
 
 
@@ -52,10 +55,11 @@ class LiveView:
         return not self._thread.is_alive()
 
     def _loop(self, live: Live, t0: float) -> None:
-        """Until :meth:`stop`: metrics, the table, the alerts, the looks. An unreachable bus is reported once per
-        condition; the components ride it out by restarts."""
+        """Until :meth:`stop`, a round at most every :data:`ROUND_S`: metrics, the table, the alerts, the looks. An
+        unreachable bus is reported once per condition; the components ride it out by restarts."""
         trouble, last = "", 0.0
         while not self._done.is_set():
+            started = time.monotonic()
             try:
                 self.monitor.poll(0.5)
                 if time.monotonic() - last > 1.0:
@@ -71,7 +75,7 @@ class LiveView:
                 if not trouble:
                     self.console.print(f"[bold yellow]bus trouble (components ride it out by restarts): {e}[/]")
                 trouble = str(e)
-                self._done.wait(0.5)
+            self._done.wait(max(0.0, ROUND_S - (time.monotonic() - started)))
 
     def _publish_alerts(self) -> None:
         """One console line when a trainer's weight publishes start failing (or fail again), and one when
