@@ -325,7 +325,9 @@ class RaasWorker:
         the newer of its :class:`TrainerProgress` heartbeat (``consumed``, before it takes the batch of
         ``version``) and its newest weight announcement (``samples_consumed``, after the batch that made
         ``version``, which trains the next one), each with its own version. With neither yet, it is the trainer
-        group's committed lag less ``checkpoint_every x batch_groups`` (trainers commit only at checkpoints). On
+        group's committed lag less ``checkpoint_every x batch_groups`` (trainers commit only at checkpoints), the
+        whole of ``samples.<policy>`` when the group has committed nothing (a trainer still starting: RaaS rolled
+        out 97 groups of the solver-verifier pipeline while its trainers loaded, and they dropped 17 as stale). On
         Kafka, the transaction marker after a partition's last record adds one per partition.
 
         Raises:
@@ -345,7 +347,11 @@ class RaasWorker:
         if reports:
             position, version = max(reports)
             return total + max(0, sum(self.admin.end_offsets(self.names.samples(policy)).values()) - position), version
-        lag = sum(self.admin.group_lag(self.names.trainer_group(policy), self.names.samples(policy)).values())
+        group, topic = self.names.trainer_group(policy), self.names.samples(policy)
+        committed = self.admin.group_offsets(group, topic)
+        lag = sum(self.admin.group_lag(group, topic, committed).values())
+        if all(off is None for off in committed.values()):  # it has not trained yet: it read nothing
+            return total + lag, None
         return total + max(0, lag - pc.checkpoint_every * pc.batch_groups), None
 
     def commanded(self) -> tuple[str, str, int | None]:

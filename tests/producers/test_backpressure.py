@@ -102,3 +102,23 @@ def test_a_batch_that_would_be_trained_too_stale_is_not_rolled_out(tmp_path, bus
         assert "about 2 versions stale" in worker.paused_reason
     finally:
         worker.close()
+
+
+def test_a_trainer_still_starting_holds_every_group_it_has_not_read(tmp_path, bus_url, tiny_model_dir):
+    """Before its trainer reports or commits anything (it is still loading), every group in ``samples`` is in
+    flight: a trainer that has committed nothing has read nothing, so the worker stops at the limit rather than
+    rolling out ``checkpoint_every x batch_groups`` groups more (which the trainer would drop as stale)."""
+    run = acquired_run(run_config(tmp_path, bus_url, tiny_model_dir, prompts=40, max_inflight_groups=8), 2)
+    worker, produced = run.worker(), run.produced
+    try:
+        for _ in range(20):
+            worker.step()
+        assert produced() == 8
+        _filter_all(run, 8)  # all 8 wait in samples.actor; no heartbeat, no announcement, no commit
+        for _ in range(20):
+            worker.step()
+        assert produced() == 8
+        # (on Kafka the transaction markers after the filter's records count too: 8 or more)
+        assert "groups of actor in flight, and a batch of 2 more would pass its limit 8" in worker.paused_reason
+    finally:
+        worker.close()
