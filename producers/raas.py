@@ -159,6 +159,12 @@ def context_length(model_dir: str | Path) -> int | None:
     return getattr(AutoConfig.from_pretrained(model_dir).get_text_config(), "max_position_embeddings", None)
 
 
+def fresh_per_version(cfg: RaasSection, policy: str) -> int:
+    """The fresh groups ``policy``'s trainer takes a version, given RaaS's config section ``cfg``:
+    ``round(batch_groups x fresh_fraction)``, at least 1 (the rest of a batch is replayed)."""
+    return max(1, round(cfg.policies[policy].batch_groups * cfg.fresh_fraction.get(policy, 1.0)))
+
+
 class RaasWorker:
     """One rollout worker.
 
@@ -308,12 +314,7 @@ class RaasWorker:
         (the rest of a batch is replayed), after which a group produced now would be too stale to train (so that
         groups are not produced only to be dropped)."""
         pc = self.cfg.policies[policy]
-        return self.cfg.raas.max_inflight_groups or self._fresh_per_version(policy) * max(pc.max_staleness, 1)
-
-    def _fresh_per_version(self, policy: str) -> int:
-        """The fresh groups ``policy``'s trainer takes a version: ``round(batch_groups x fresh_fraction)``, at
-        least 1 (the rest of a batch is replayed)."""
-        return max(1, round(self.cfg.policies[policy].batch_groups * self.cfg.fresh_fraction.get(policy, 1.0)))
+        return self.cfg.raas.max_inflight_groups or fresh_per_version(self.cfg, policy) * max(pc.max_staleness, 1)
 
     def inflight_groups(self, policy: str) -> tuple[int, int | None] | None:
         """Groups of ``policy`` produced but not yet taken by its filters and trainer (records), with the version
@@ -424,7 +425,7 @@ class RaasWorker:
                 # for each new version). Its first group, not its last: waiting until the whole batch would be
                 # trained in time left the bottleneck trainer without data (0.5 s in 10 in the solver-verifier
                 # pipeline), for a few groups dropped now and then
-                trained_at = version + inflight // self._fresh_per_version(p)
+                trained_at = version + inflight // fresh_per_version(self.cfg, p)
                 if too_stale(engine, trained_at, pc.max_staleness):
                     return (f"a batch of {p} rolled out now would be trained about {staleness(engine, trained_at)} "
                             f"versions stale ({inflight} groups in flight ahead of it; max_staleness "
