@@ -107,7 +107,7 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
     engine call's cache). With glibc's defaults each step's large blocks were mapped afresh and their pages
     faulted in and zeroed again: 17 000 page faults a second in a trainer and 30 000 in RaaS, 8% of the 2-core
     machine's CPU in the kernel, in the solver-verifier pipeline of ``scripts/bench_multipolicy.py`` (2026-12-05);
-    with these settings, ~1 000 and 0.3%. The cost is memory: a process keeps its peak heap.
+    with these settings, 300-900 a second and 3%. The cost is memory: a process keeps its peak heap.
 
     Does nothing where the C library has no ``mallopt`` (not glibc) or where ``GLIBC_TUNABLES`` sets malloc's own
     (the operator's choice stands).
