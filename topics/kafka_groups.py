@@ -94,9 +94,13 @@ def _serve() -> None:
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({**json.loads(sys.stdin.readline()), "log_level": 0})
+    client, admin = {**json.loads(sys.stdin.readline()), "log_level": 0}, None
     for line in sys.stdin:
         group = json.loads(line)["group"]
+        # A client whose request failed is replaced: the answer is a second opinion on whether the cluster
+        # answers (:meth:`topics.kafka.KafkaConsumer._cluster_answers`), which a client that came out of a broker
+        # restart stuck could not give.
+        admin = admin or AdminClient(client)
         try:
             admin.list_topics(timeout=5)  # no describe is queued while the cluster does not answer
             desc = admin.describe_consumer_groups([group], request_timeout=10)[group].result(20)
@@ -104,7 +108,7 @@ def _serve() -> None:
                                   sorted((tp.topic, tp.partition) for tp in m.assignment.topic_partitions)
                                   for m in desc.members}}
         except (KafkaException, TimeoutError) as e:
-            answer = {"error": str(e) or type(e).__name__}
+            answer, admin = {"error": str(e) or type(e).__name__}, None
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
 

@@ -141,3 +141,58 @@ def test_a_member_whose_committed_offsets_do_not_come_is_re_created_once(kafka_u
         assert member.poll(100, 0.2) == []
     assert member.renewals == 1
     member.close()
+
+
+def cut_off(member) -> None:
+    """The fault: the member's librdkafka client loses the cluster (its connections go to a port nothing listens
+    on), as a client that came out of a broker restart stuck, while every other client reaches the broker."""
+    import socket
+
+    from confluent_kafka import Consumer as RawConsumer
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # bound and closed: connections to it are refused
+    member._c.close()
+    member._c = RawConsumer({**member._conf, "bootstrap.servers": dead, "log_level": 0})
+    member._c.subscribe(member._subscribed)
+    member._assigned.clear()
+
+
+def test_a_member_whose_own_client_is_cut_off_while_the_cluster_answers_is_re_created(kafka_url, monkeypatch):
+    """A member whose own client gets no answer, not even to a metadata request, while the cluster answers
+    another client (the group's description) is stuck, not waiting out an outage: re-created once it has read
+    nothing for ``QUIET_RENEW_S``, and once its commits have found no coordinator for ``NO_COORDINATOR_RENEW_S``,
+    it reads on from the group's committed offsets. Before, its own metadata request was the only test of whether
+    the broker answered: seen in CI after a broker restart, a trainer and a filter processor stuck for minutes."""
+    from topics import kafka
+    monkeypatch.setattr(kafka, "QUIET_RENEW_S", 4.0)
+    monkeypatch.setattr(kafka, "NO_COORDINATOR_RENEW_S", 4.0)
+    bus = connect(kafka_url)
+    topic, group = f"cut-{uuid.uuid4().hex[:10]}", f"g-{uuid.uuid4().hex[:10]}"
+    bus.admin().create_topic(topic, partitions=1)
+    first = send(bus, topic, "a", n=4, partitions=1)
+    member = bus.consumer(group, instance_id="member-0", session_timeout_s=SESSION_S)
+    member.subscribe([topic])
+    read = drain(member, 4)
+    assert sorted(r.value for r in read) == sorted(first)
+    member.commit(read[:2])  # the group's commits: 2 of the 4
+
+    # reading: nothing comes for QUIET_RENEW_S; re-created, it reads the 2 uncommitted records again
+    cut_off(member)
+    again = drain(member, 2, timeout_s=40)
+    assert member.renewals == 1
+    assert sorted(r.value for r in again) == sorted(r.value for r in read[2:])
+
+    # committing: no coordinator for NO_COORDINATOR_RENEW_S; re-created, the new member commits
+    cut_off(member)
+    errors, deadline = [], time.monotonic() + 40
+    while member.renewals == 1 and time.monotonic() < deadline:
+        try:
+            member.commit(again, timeout_s=10)
+        except kafka.BusError as e:
+            errors.append(str(e))
+            time.sleep(1)
+    assert member.renewals == 2, errors
+    tp = TopicPartition(topic, 0)
+    assert member.committed([tp]) == {tp: 4}
+    member.close()
