@@ -37,6 +37,19 @@ def send(bus, topic: str, tag: str, n: int = 10, partitions: int = 2) -> list[by
     return values
 
 
+def member_that_read(bus, kind: str):
+    """A new 1-partition topic holding 4 records, and a static member of a new group that subscribed to it and
+    read them. Returns (topic, group, member, the records read)."""
+    topic, group = f"{kind}-{uuid.uuid4().hex[:10]}", f"g-{uuid.uuid4().hex[:10]}"
+    bus.admin().create_topic(topic, partitions=1)
+    first = send(bus, topic, "a", n=4, partitions=1)
+    member = bus.consumer(group, instance_id="member-0", session_timeout_s=SESSION_S)
+    member.subscribe([topic])
+    read = drain(member, 4)
+    assert sorted(r.value for r in read) == sorted(first)
+    return topic, group, member, read
+
+
 def test_a_fenced_static_member_is_re_created_in_place_and_reads_on_from_its_commits(kafka_url):
     bus = connect(kafka_url)
     topic, group = f"fence-{uuid.uuid4().hex[:10]}", f"g-{uuid.uuid4().hex[:10]}"
@@ -76,18 +89,13 @@ def test_a_member_the_group_left_out_is_re_created_and_an_idle_member_is_not(kaf
     from topics import kafka
     monkeypatch.setattr(kafka, "QUIET_RENEW_S", 4.0)
     bus = connect(kafka_url)
-    topic, group = f"left-{uuid.uuid4().hex[:10]}", f"g-{uuid.uuid4().hex[:10]}"
-    bus.admin().create_topic(topic, partitions=1)
-    first = send(bus, topic, "a", n=4, partitions=1)
-    member = bus.consumer(group, instance_id="member-0", session_timeout_s=SESSION_S)
-    member.subscribe([topic])
-    assert sorted(r.value for r in drain(member, 4)) == sorted(first)
+    topic, group, member, first = member_that_read(bus, "left")
     member._c.unsubscribe()  # the fault: the client leaves the group; the member still believes it subscribed
     again, deadline = [], time.monotonic() + 40
     while len(again) < 4 and time.monotonic() < deadline:
         again += member.poll(100, 0.2)
     assert member.renewals == 1
-    assert sorted(r.value for r in again) == sorted(first)  # nothing was committed: all of it again
+    assert sorted(r.value for r in again) == sorted(r.value for r in first)  # nothing was committed: all again
 
     idle = bus.consumer(group, instance_id="member-1", session_timeout_s=SESSION_S)
     idle.subscribe([topic])
@@ -111,12 +119,7 @@ def test_a_member_whose_committed_offsets_do_not_come_is_re_created_once(kafka_u
     from topics import kafka
     monkeypatch.setattr(kafka, "NO_COORDINATOR_RENEW_S", 5.0)
     bus = connect(kafka_url)
-    topic, group = f"unstable-{uuid.uuid4().hex[:10]}", f"g-{uuid.uuid4().hex[:10]}"
-    bus.admin().create_topic(topic, partitions=1)
-    send(bus, topic, "a", n=4, partitions=1)
-    member = bus.consumer(group, instance_id="member-0", session_timeout_s=SESSION_S)
-    member.subscribe([topic])
-    assert len(drain(member, 4)) == 4
+    topic, group, member, _ = member_that_read(bus, "unstable")
     bootstrap = kafka_url.removeprefix("kafka://")
     holder = RawProducer({"bootstrap.servers": bootstrap, "transactional.id": f"holder-{uuid.uuid4().hex[:8]}"})
     holder.init_transactions(30)
@@ -168,13 +171,7 @@ def test_a_member_whose_own_client_is_cut_off_while_the_cluster_answers_is_re_cr
     monkeypatch.setattr(kafka, "QUIET_RENEW_S", 4.0)
     monkeypatch.setattr(kafka, "NO_COORDINATOR_RENEW_S", 4.0)
     bus = connect(kafka_url)
-    topic, group = f"cut-{uuid.uuid4().hex[:10]}", f"g-{uuid.uuid4().hex[:10]}"
-    bus.admin().create_topic(topic, partitions=1)
-    first = send(bus, topic, "a", n=4, partitions=1)
-    member = bus.consumer(group, instance_id="member-0", session_timeout_s=SESSION_S)
-    member.subscribe([topic])
-    read = drain(member, 4)
-    assert sorted(r.value for r in read) == sorted(first)
+    topic, group, member, read = member_that_read(bus, "cut")
     member.commit(read[:2])  # the group's commits: 2 of the 4
 
     # reading: nothing comes for QUIET_RENEW_S; re-created, it reads the 2 uncommitted records again
