@@ -8,7 +8,9 @@ Records carry already-compressed values (zstd, see :mod:`topics.codec`), so the
 producer does not compress again. Producers are idempotent with ``acks=all``.
 Consumers never auto-commit: offsets are committed explicitly, after the work
 is durable. A static group member that the coordinator fences (as happens after a
-broker restart) is re-created in place, not given up (:meth:`KafkaConsumer._renew`); so is a plain (not
+broker restart) is re-created in place, not given up (:meth:`KafkaConsumer._renew`), and so is a member stuck
+after one: no coordinator for its commits, or left out of its group, while the cluster answers (its own client, or
+another one when its own gets no answer: :meth:`KafkaConsumer._cluster_answers`); so is a plain (not
 transactional) producer whose records stay unacknowledged while the broker answers (:meth:`KafkaProducer.flush`).
 """
 from __future__ import annotations
