@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Mapping
 
 from rich.console import Console
 
@@ -76,6 +77,21 @@ def trainer_versions(cfg: RunConfig, names: TopicNames, console: Console) -> dic
     finally:
         follower.close()
     return {m.policy: m.version for m in latest.values()}
+
+
+def resumption(cfg: RunConfig, versions: Mapping[str, int]) -> str | None:
+    """The launcher's line for a run whose bus already holds its trainers' progress (an earlier launch of the same
+    ``run`` on the same bus, e.g. the same command again): where each trainer resumes (``versions``: each one's
+    last reported version, :func:`trainer_versions`), and, when every one has reached its ``steps``, that nothing
+    is left to train, so the summary will be the earlier launch's. None for a new run (no progress)."""
+    if not versions:
+        return None
+    at = ", ".join(f"trainer.{p} at version {versions.get(p, 0)} of {pc.steps} steps" for p, pc in cfg.policies.items())
+    line = f"resuming run {cfg.run} from what its bus and {cfg.run_dir} hold: {at}"
+    if all(versions.get(p, 0) >= pc.steps for p, pc in cfg.policies.items()):
+        line += ("; every trainer has reached its steps, so nothing is trained (a new run: another run= or run_dir=; "
+                 "more training: raise policies.<policy>.steps)")
+    return line
 
 
 def write_outputs(cfg: RunConfig, names: TopicNames, components: list[Component], monitor: RunMonitor,

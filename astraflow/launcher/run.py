@@ -12,7 +12,7 @@ from rich.live import Live
 from astraflow.config import RunConfig
 from astraflow.launcher.changelog_check import ChangelogCheck
 from astraflow.launcher.filter_wedge import FilterWedgeWatch
-from astraflow.launcher.outputs import write_outputs
+from astraflow.launcher.outputs import resumption, trainer_versions, write_outputs
 from astraflow.launcher.plan import plan_components
 from astraflow.launcher.scaling import RaasScaler
 from astraflow.launcher.supervision import Supervisor
@@ -58,6 +58,9 @@ class Launcher:
         bus = connect(cfg.bus, cfg.kafka)
         ensure_run_topics(bus.admin(), self.names, list(cfg.policies))
         monitor = RunMonitor(bus, self.names, list(cfg.policies), cfg.workflow.name)
+        resumed = resumption(cfg, trainer_versions(cfg, self.names, console))
+        if resumed is not None:
+            console.print(f"[yellow]{resumed}[/]")
         t0 = time.monotonic()
         for c in self.components:
             supervisor.start(c)
