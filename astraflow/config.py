@@ -403,12 +403,22 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _format(e: ValidationError, origin: str) -> str:
+def _nested(a: str, b: str) -> bool:
+    """Whether one of two dotted paths (each ending in a dot) is inside the other, or they are the same."""
+    return a.startswith(b) or b.startswith(a)
+
+
+def _format(e: ValidationError, origin: str, overrides: list[str] = ()) -> str:
+    """Pydantic's errors, one line per field (``<dotted field>: <reason>``), each field that an item of
+    ``overrides`` (``key=value``) set or is inside named with that override."""
     lines = [f"invalid config {origin}:"]
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"])
         # a validator's ValueError reads "Value error, <message>"; whole-config checks name their fields
         msg = str(err["ctx"]["error"]) if err["type"] == "value_error" and "error" in err.get("ctx", {}) else err["msg"]
+        given = [o for o in overrides if loc and _nested(f"{o.partition('=')[0].strip()}.", f"{loc}.")]
+        if given:
+            msg += f" (the override {given[-1]})"
         lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
     return "\n".join(lines)
 
@@ -428,7 +438,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             raise ConfigError(f"config file {p} is a directory; give a YAML file (see examples/)" if p.is_dir()
                               else f"config file {p} does not exist")
         try:
-            tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            with p.open(encoding="utf-8") as f:  # a stream: the parser's messages name the file
+                tree = yaml.safe_load(f) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {p} is not UTF-8 ({e.reason} at byte {e.start})") from None
         except yaml.YAMLError as e:
@@ -447,4 +458,4 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format(e, origin)) from None
+        raise ConfigError(_format(e, origin, list(overrides))) from None

@@ -61,6 +61,16 @@ def test_errors_name_the_field_and_reason(tmp_path):
     msg = str(e.value)
     assert "policies.actor.steps: Input should be greater than or equal to 1" in msg
     assert "policies.actor.tainer: Extra inputs are not permitted" in msg
+    # a field an override set, or set a mapping around, names that override; the file's own fields do not
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["policies.actor.tainer=null", "sampling.temperature=-1", "foo.bar=1",
+                        "data={sources: [{name: arith}], epochs: 0}"])
+    lines = str(e.value).splitlines()
+    assert "  sampling.temperature: Input should be greater than 0 (the override sampling.temperature=-1)" in lines
+    assert "  foo: Extra inputs are not permitted (the override foo.bar=1)" in lines
+    assert "  data.epochs: Input should be greater than or equal to 1 (the override data={sources: [{name: arith}], " \
+           "epochs: 0})" in lines
+    assert "  policies.actor.steps: Input should be greater than or equal to 1" in lines, lines
     with pytest.raises(ConfigError, match="must look like key=value"):
         load_config(p, ["steps"])
     with pytest.raises(ConfigError, match="does not exist"):
