@@ -55,6 +55,15 @@ log = logging.getLogger(__name__)
 DEADLETTER_MAX_BYTES = 1 << 20
 
 
+def pass_order(records: int, seed: int, epoch: int) -> list[int]:
+    """The indices ``0 .. records - 1`` in the order pass ``epoch`` of a source of ``records`` records sends them,
+    shuffled by ``random.Random(f"{seed}:{epoch}")`` (``seed``: ``data.shuffle_seed``): what acquisition sends, and
+    what a benchmark's in-process loop takes to roll out the pipeline's prompts in the pipeline's order."""
+    indices = list(range(records))
+    random.Random(f"{seed}:{epoch}").shuffle(indices)
+    return indices
+
+
 class AcquisitionError(RuntimeError):
     """The acquisition state does not belong to this source, or cannot be read."""
 
@@ -165,11 +174,8 @@ class Acquisition:
                       else AcquisitionState(source=source.name, records=len(source), seed=seed))
 
     def order(self, epoch: int) -> list[int]:
-        """The record indices of pass ``epoch``, in the order they are sent."""
-        indices = list(range(len(self.source)))
-        if self.shuffle:
-            random.Random(f"{self.seed}:{epoch}").shuffle(indices)
-        return indices
+        """The record indices of pass ``epoch``, in the order they are sent (:func:`pass_order`)."""
+        return pass_order(len(self.source), self.seed, epoch) if self.shuffle else list(range(len(self.source)))
 
     @property
     def done(self) -> bool:

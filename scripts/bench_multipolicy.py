@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Multi-policy co-training: the dataflow pipeline vs the sequential multi-agent loop.
 
-Workload (both sides): ``solve_verify_retry`` on the synthetic ``arith`` task,
+Workload (both sides, the same prompts in the same order: repetition r runs the ``arith`` prompts of seed r in
+the order acquisition sends them with ``data.shuffle_seed`` r): ``solve_verify_retry`` on the synthetic ``arith`` task,
 two policies (solver, verifier) that are both the built-in tiny model, B
 prompts x G samples per iteration, GRPO with TIS correction (the trainer config
 of ``examples/solver-verifier-tiny.yaml``), N iterations (trainer versions).
@@ -46,7 +47,9 @@ Threads: the brief is "equal cores" (2). On a machine shared with other jobs,
 1 and with 2 threads and the faster one is the baseline.
 
 Usage: ``scripts/bench_multipolicy.py [--quick] [--repeats R]``. Repetitions alternate the loop and the
-pipeline (R = 3 by default: ~4 minutes on 2 cores, a repetition ~1.3). Prints each measurement,
+pipeline (R = 3 by default: ~6 minutes on 2 cores, a repetition ~2). 64 iterations by default (a window of 62
+versions, ~16 s): with 32 (until 2026-12-05) the same pipeline's repetitions spread 0.251-0.290 s/iter within
+one run on a quiet machine, with 64 0.244-0.268. Prints each measurement,
 min/median/max over repeats and each repetition's ratio, and ends with one JSON line
 ``{"metric": "multipolicy_s_per_iter", "value": pipeline, "baseline": sequential, "ratio": baseline/value,
 "ratio_spread": {"runs", "median", "min", "max"}, "pipeline_s_per_iter": {...}, "sequential_s_per_iter":
@@ -84,7 +87,9 @@ CHECKPOINT_EVERY = 4  # trainer steps
 
 def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: int) -> tuple[float, dict[str, float]]:
     """The sequential loop's steady-state seconds per iteration (see the module docstring), and its stages'
-    median seconds per iteration: ``rollout``, ``train.solver``, ``train.verifier``, ``sync``."""
+    median seconds per iteration: ``rollout``, ``train.solver``, ``train.verifier``, ``sync``. Its prompts are the
+    pipeline's of the same ``seed`` (``seed`` and ``data.shuffle_seed``, :func:`pipeline_s_per_iter`), in the order
+    acquisition sends them (:func:`producers.acquisition.pass_order`)."""
     import torch
 
     from astraflow.launched import keep_freed_memory
@@ -92,6 +97,7 @@ def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: in
     torch.set_num_threads(threads)
     keep_freed_memory()  # as every component of the pipeline does (astraflow.launched.component_setup)
     from astraflow.config import load_config
+    from producers.acquisition import pass_order
     from producers.engine_batcher import EngineBatcher
     from producers.engines import SamplingParams
     from producers.hf_engine import HFEngine
@@ -108,6 +114,7 @@ def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: in
     sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
                               top_p=cfg.sampling.top_p, seed=None)
     source = load_source("arith", seed=seed)
+    order = pass_order(len(source), seed, 0)
     batchers = {p: EngineBatcher(engines[p], name=p) for p in policies}
     loop = asyncio.new_event_loop()
 
@@ -119,7 +126,7 @@ def sequential_s_per_iter(iters: int, batch: int, g: int, threads: int, seed: in
     for it in range(iters):
         t0 = time.perf_counter()
         groups = defaultdict(list)
-        prompts = [source[i].model_copy(update={"n_samples": g}) for i in range(it * batch, (it + 1) * batch)]
+        prompts = [source[order[i]].model_copy(update={"n_samples": g}) for i in range(it * batch, (it + 1) * batch)]
         for group in (grp for per_prompt in loop.run_until_complete(rollout(prompts)) for grp in per_prompt):
             groups[group.policy].append(group)
         stages["rollout"].append(time.perf_counter() - t0)
@@ -174,9 +181,15 @@ def two_core_bound(stages: dict[str, float], workers: int, cores: int = 2) -> fl
 
 
 def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s: float, place: list[str],
-                        extra: list[str], rollout_s: float | None, first: int = 2) -> tuple[float, float, float]:
+                        extra: list[str], rollout_s: float | None, seed: int = 0,
+                        first: int = 2) -> tuple[float, float, float]:
     """The pipeline's steady-state seconds per iteration, the same by the strict count, and the run's whole wall
     time (seconds), over the window of the module docstring.
+
+    ``seed`` is the run's ``seed`` and ``data.shuffle_seed``: the arith prompts and their order, those of the loop of
+    the same seed (:func:`sequential_s_per_iter`). Until 2026-12-05 the pipeline always ran seed 0 in shuffled order
+    and the loop of repetition r seed r's prompts in record order: the two sides trained on other prompts, and the
+    bound of repetition 2 came out 3-4% below the others' (the loop's solver step 0.174 against 0.182-0.190 s).
 
     ``rollout_s`` is the loaded loop's rollout stage (seconds per batch, :func:`loaded_stages`): each batch the
     trainers took in the window that RaaS did not roll out in it (it had rolled it out before, its lead at the
@@ -197,7 +210,8 @@ def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s:
         # groups is for its batches of 4). The 6 batches used until 2026-12-03 are past max_staleness 4: the solver,
         # the slowest stage, had 64-83 of 48 x 16 groups dropped as stale, for no measurable gain (efficiency 0.85
         # and 0.73 in two runs of 3 repetitions, against 0.75 and 0.77 here, the same afternoon)
-        overrides = [f"run={run}", f"run_dir={run_dir}", f"data.n_samples={g}", f"raas.batch_prompts={batch}",
+        overrides = [f"run={run}", f"run_dir={run_dir}", f"seed={seed}", f"data.shuffle_seed={seed}",
+                     f"data.n_samples={g}", f"raas.batch_prompts={batch}",
                      "raas.max_inflight_groups=null", "data.epochs=1", f"raas.workers={workers}",
                      *placement_overrides(place), *extra]
         for p in ("solver", "verifier"):
@@ -243,8 +257,8 @@ def rollout_times(bus_url: str, run: str, policy: str) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="16 iterations instead of 32, of the same 16 prompts x G=8 (a window of 14 versions "
-                         "against 30; until 2026-12-03 quick ran 8 iterations of 8 x 8, another workload)")
+                    help="16 iterations instead of 64, of the same 16 prompts x G=8 (a window of 14 versions "
+                         "against 62; until 2026-12-03 quick ran 8 iterations of 8 x 8, another workload)")
     ap.add_argument("--repeats", type=int, default=3, help="measurements per mode (alternating; default 3)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="torch thread counts tried for the sequential loop; the fastest is the baseline")
@@ -262,7 +276,7 @@ def main() -> None:
         print(json.dumps(sequential_s_per_iter(iters, batch, g, 1, seed)[1]))
         return
     a.place = a.place or []
-    iters, batch, g = (16 if a.quick else 32), 16, 8
+    iters, batch, g = (16 if a.quick else 64), 16, 8
     print(f"workload: solve_verify_retry on arith, tiny solver + tiny verifier, {iters} iterations of "
           f"{batch} prompts x G={g}; {os.cpu_count()} cores; sequential loop {a.threads} threads (best), "
           f"pipeline {a.raas_workers} RaaS worker(s), 1 thread per process, placement: "
@@ -284,7 +298,7 @@ def main() -> None:
                 rollout_s = loaded["rollout"]
         seq.append(min(tried.values()))
         value, value_strict, wall = pipeline_s_per_iter(iters, batch, g, a.raas_workers, a.timeout_s, a.place,
-                                                        a.overrides, rollout_s)
+                                                        a.overrides, rollout_s, seed=r)
         pipe.append(value)
         strict.append(value_strict)
         print(f"[{r}] dataflow pipeline:            {value:.3f} s/iter, strict count {value_strict:.3f} (whole run "
