@@ -12,6 +12,7 @@ import pytest
 from astraflow.audit import steps_logged
 from topics.bus import connect
 from topics.codec import decode, encode, headers_for
+from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 from topics.schemas import Metric, TrainedBatch, TrajectoryGroup
 from trainer.checkpoint import load_latest
@@ -22,6 +23,16 @@ from weights.codec import state_sha256
 from weights.store import WeightStore
 
 TRAINER = {"param_dtype": "float32", "lr": 1e-4}
+
+
+def metrics_reader(bus, names):
+    """A reader of the whole ``metrics`` topic, from its beginning (no consumer group); makes the run's topics if
+    the trainer has not yet."""
+    ensure_run_topics(bus.admin(), names, ["pol"])
+    reader = bus.consumer(None)
+    reader.assign([(names.metrics, p) for p in range(bus.admin().describe_topic(names.metrics).partitions)])
+    reader.seek_to_beginning()
+    return reader
 
 
 def _trainer(bus_url, run, model, run_dir):
@@ -50,12 +61,14 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
     proc = _trainer(bus_url, run, tiny_model_dir, run_dir)
     deadline = time.monotonic() + 180  # a loaded 2-core machine takes a while to start a trainer
     store = WeightStore((run_dir / "weights").as_uri(), run)  # the run's default store
-    # 6 groups: 6 steps, past the checkpoint at version 4; kill once version 6 is stored, before the idle
-    # checkpoint (poll_timeout_s, 5 s, after the last batch)
-    while steps_logged(run_dir, "pol") < 6 or 6 not in store.versions("pol"):
+    # 6 groups: 6 steps, past the checkpoint at version 4; kill once version 6 is stored and its step's metric is on
+    # the bus (a step's metric is queued, not flushed: seen in CI, step 6's lost to a kill right after its JSONL
+    # line), before the idle checkpoint (poll_timeout_s, 5 s, after the last batch)
+    reader, sent_steps = metrics_reader(bus, names), set()
+    while steps_logged(run_dir, "pol") < 6 or 6 not in store.versions("pol") or 6 not in sent_steps:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "trainer made no progress"
-        time.sleep(0.05)
+        sent_steps |= {decode(r.value, Metric).step for r in reader.poll(timeout_s=0.05)}
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert load_latest(run_dir / "trainer.pol" / CHECKPOINTS).version == 4  # steps 5 and 6: redone below
@@ -96,9 +109,7 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
     restarted = load_causal_lm(ckpt.model_dir, "float32").state_dict()
     assert state_sha256(restarted) == state_sha256(reference.model.state_dict())
     # per-step metrics went to the metrics topic
-    reader = bus.consumer(None)
-    reader.assign([(names.metrics, p) for p in range(bus.admin().describe_topic(names.metrics).partitions)])
-    reader.seek_to_beginning()
+    reader = metrics_reader(bus, names)
     metrics = []
     for _ in range(40):
         metrics += [decode(r.value, Metric) for r in reader.poll(timeout_s=0.5)]
