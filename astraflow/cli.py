@@ -156,6 +156,11 @@ def trainer(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
         raise typer.Exit(2)
     if summary is not None:  # rank 0's; a follower rank logged its own
         print(json.dumps(summary), flush=True)
+        if "collapsed" in summary:
+            from astraflow.launched import EXIT_COLLAPSED
+
+            typer.echo(f"trainer.{policy}: {summary['collapsed']}; stopped (stop_on_collapse)", err=True)
+            raise typer.Exit(EXIT_COLLAPSED)
 
 
 @app.command()

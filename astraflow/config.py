@@ -63,6 +63,10 @@ class PolicyConfig(RolloutPolicyConfig):
     filter_processor: FilterProcessorConfig = Field(default_factory=FilterProcessorConfig)
     serving: list[ServingSpec] = Field(default_factory=list, description="at most one serving policy, e.g. "
                                        "[{name: replay, ratio: 0.5}] (policies/config.py)")
+    stop_on_collapse: bool = Field(default=False, description="stop the run, exiting non-zero, when this policy's "
+                                   "reward collapses (under half its best 10-step window while the entropy moves "
+                                   "by over 1.25x: trainer/collapse.py), and keep the checkpoint of the best window in "
+                                   "<run_dir>/trainer.<policy>/best-checkpoint; false: the collapse is only alerted")
     trainer_placement: Placement = Field(default_factory=Placement, description="where its trainer runs: each "
                                        "field set here replaces placement.trainer's (astraflow/placement.py)")
 
@@ -362,7 +366,8 @@ class RunConfig(_Strict):
                               model=pc.model, run_dir=self.run_dir / f"trainer.{policy}",
                               trainer=self.trainer_config(policy), steps=pc.steps, batch_groups=pc.batch_groups,
                               max_staleness=pc.max_staleness, checkpoint_every=pc.checkpoint_every,
-                              keep_versions=pc.keep_versions, serving=pc.serving, barrier_peers=peers)
+                              keep_versions=pc.keep_versions, serving=pc.serving, barrier_peers=peers,
+                              stop_on_collapse=pc.stop_on_collapse)
 
     def eval_section(self, policy: str) -> EvalSection:
         """What an evaluation of ``policy`` takes of this config (``eval``, ``sampling.max_new_tokens``).

@@ -17,6 +17,8 @@ from typing import Callable
 
 #: a component's exit status when its input is bad and a restart would meet it again (acquisition with data.strict)
 EXIT_BAD_INPUT = 3
+#: a trainer's exit status when its reward collapsed and ``stop_on_collapse`` stopped it: the run fails, no restart
+EXIT_COLLAPSED = 4
 #: The environment variable through which a launched component learns its launcher's pid.
 LAUNCHER_PID_ENV = "ASTRAFLOW_LAUNCHER_PID"
 #: Seconds a component whose launcher died has to stop cleanly before it exits hard.

@@ -47,6 +47,10 @@ class PolicyView:
     version: int = 0
     reward: float | None = None
     kl: float | None = None
+    entropy: float | None = None  # mean token entropy of the newest step, nats
+    clipfrac: float | None = None
+    grad_norm: float | None = None  # before clipping
+    collapse: str | None = None  # the newest collapse alert (trainer/collapse.py), one line
     tokens_per_s: float | None = None
     step_s: float | None = None  # seconds the newest trainer step took
     staleness: float | None = None
@@ -119,7 +123,13 @@ class RunMonitor:
                 series = self._rollout_tokens.setdefault(m.component, [])
                 series.append((m.ts, m.values["tokens_total"]))
                 del series[:-1000]  # a worker reports every 2 s: far more than any throughput window
-            if m.kind == "trainer" and m.policy in self.views and "publish_errors" in m.values:
+            if m.kind == "trainer" and m.policy in self.views and "collapse" in m.values:
+                a = m.values
+                self.views[m.policy].collapse = (
+                    f"reward collapsed at step {a['collapse_step']:.0f}: {a['reward_window']:.3f} against the best "
+                    f"window's {a['reward_best_window']:.3f} (step {a['best_step']:.0f}); entropy "
+                    f"{a['entropy_best_window']:.4f} -> {a['entropy_window']:.4f}")
+            elif m.kind == "trainer" and m.policy in self.views and "publish_errors" in m.values:
                 v = self.views[m.policy]
                 v.publish_errors = int(m.values["publish_errors"])
                 v.publish_failing = bool(m.values.get("publish_failing"))
@@ -131,6 +141,9 @@ class RunMonitor:
                 v.version = int(m.values.get("version", m.step or v.version))
                 v.reward = m.values.get("reward_mean", v.reward)
                 v.kl = m.values.get("kl", v.kl)
+                v.entropy = m.values.get("entropy", v.entropy)
+                v.clipfrac = m.values.get("clipfrac", v.clipfrac)
+                v.grad_norm = m.values.get("grad_norm", v.grad_norm)
                 v.tokens_per_s = m.values.get("tokens_per_s", v.tokens_per_s)
                 v.step_s = m.values.get("step_s", v.step_s)
                 if "durable_version" in m.values:
@@ -253,6 +266,8 @@ class RunMonitor:
         """The monitor's figures as plain data (``astraflow status --json``)."""
         return {
             "policies": {p: {"step": v.step, "version": v.version, "reward": v.reward, "kl": v.kl,
+                             "entropy": v.entropy, "clipfrac": v.clipfrac, "grad_norm": v.grad_norm,
+                             "collapse": v.collapse,
                              "train_tokens_per_s": v.tokens_per_s, "staleness": v.staleness,
                              "publish_errors": v.publish_errors, "publish_failing": v.publish_failing,
                              "durable_version": v.durable_version}
@@ -279,18 +294,23 @@ class RunMonitor:
             pass
 
     def table(self, title: str = "") -> Group:
-        """Rich tables: per policy step, version, reward, KL, throughput, staleness; then lag per group; then
+        """Rich tables: per policy step, version, reward, KL, entropy, clip fraction, gradient norm, throughput,
+        staleness (a collapse alert as the caption); then lag per group; then
         each group's members, with the RaaS workers an operator's pause or throttle holds; then per RaaS worker
         its episodes in flight and its tools' latency percentiles (:meth:`workers`)."""
         t = Table(title=title or f"run {self.names.run}")
-        for col in ("policy", "step", "version", "reward", "KL", "train tok/s", "staleness", "publish errors"):
+        for col in ("policy", "step", "version", "reward", "KL", "entropy", "clipfrac", "grad norm", "train tok/s",
+                    "staleness", "publish errors"):
             t.add_column(col, justify="right" if col != "policy" else "left")
         fmt = lambda x, f="{:.3f}": "-" if x is None else f.format(x)  # noqa: E731
         for p, v in self.views.items():
-            t.add_row(p, str(v.step), str(v.version), fmt(v.reward), fmt(v.kl, "{:.4f}"),
-                      fmt(v.tokens_per_s, "{:.0f}"), fmt(v.staleness, "{:.2f}"),
+            t.add_row(p, str(v.step), str(v.version), fmt(v.reward), fmt(v.kl, "{:.4f}"), fmt(v.entropy, "{:.4f}"),
+                      fmt(v.clipfrac, "{:.4f}"), fmt(v.grad_norm, "{:.3g}"), fmt(v.tokens_per_s, "{:.0f}"), fmt(v.staleness, "{:.2f}"),
                       f"[bold red]{v.publish_errors} (durable {v.durable_version})[/]" if v.publish_failing
                       else str(v.publish_errors))
+        collapses = [f"{p}: {v.collapse}" for p, v in self.views.items() if v.collapse]
+        if collapses:
+            t.caption = "[bold red]" + "; ".join(collapses) + "[/]"
         lag = Table(title=f"rollout {self.rollout_throughput():.0f} tok/s; consumer-group lag")
         for col in ("consumer group", "topic", "lag"):
             lag.add_column(col, justify="right" if col == "lag" else "left")

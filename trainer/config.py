@@ -114,3 +114,5 @@ class TrainerSection(BaseModel):
     serving: list[ServingSpec] = Field(description="at most one serving policy (policies/config.py)")
     barrier_peers: dict[str, int] | None = Field(description="lockstep coupling: each other policy and its steps; "
                                                  "None: independent")
+    stop_on_collapse: bool = Field(default=False, description="stop on a reward collapse and keep the best "
+                                   "window's checkpoint (trainer/collapse.py)")

@@ -175,9 +175,13 @@ class Trainer:
 
         Returns:
             The :class:`TrainedStep`: the new version, the new weights when asked for, and the step's metrics
-            (floats): loss, pg_loss, kl, clipfrac, entropy, grad_norm,
-            reward_mean, reward_std, staleness_mean/max and ``staleness_hist/<k>`` counts of
-            groups, is_ratio_mean/max/min (π_θ/π_behaviour on generated tokens before the
+            (floats): loss, pg_loss, kl, clipfrac, entropy, grad_norm (the global L2 norm before clipping, mean
+            over the step's optimizer steps), grad_norm_clipped (after clipping to ``max_grad_norm``),
+            zero_adv_frac (the share of groups whose rewards are all equal: no gradient), adv_abs_mean (mean |A|
+            per sample), response_tokens (generated tokens per sample), turns_mean (model turns per episode: a
+            tool workflow's calls are turns - 1), masked_frac (the share of the sequences' tokens not trained:
+            prompt and tool output), reward_mean, reward_std, staleness_mean/max and ``staleness_hist/<k>`` counts of
+            groups, is_ratio_mean/std/max/min (π_θ/π_behaviour on generated tokens before the
             update), behaviour_kl (KL(π_behaviour || π_θ) per generated token before the update, Schulman's
             k3 estimator r - 1 - log r with r = π_θ/π_behaviour: http://joschu.net/blog/kl-approx.html), tokens
             (generated, count), tokens_per_s, step_s (seconds, the weights' gather included), wait_s, wait_frac,
@@ -249,9 +253,12 @@ class Trainer:
                     ratio = torch.exp(log_ratio)
                     if ratio.numel():
                         sums["is_ratio_sum"] += float(ratio.sum())
+                        sums["is_ratio_sq_sum"] += float(ratio.square().sum())
                         sums["behaviour_kl_sum"] += float((ratio - 1.0 - log_ratio).sum())
                         is_min, is_max = min(is_min, float(ratio.min())), max(is_max, float(ratio.max()))
-                sums["grad_norm"] += self.backend.step()
+                norm = self.backend.step()
+                sums["grad_norm"] += norm
+                sums["grad_norm_clipped"] += min(norm, cfg.max_grad_norm)
                 sums["updates"] += 1
         self.model.eval()
         self.version += 1
@@ -263,14 +270,22 @@ class Trainer:
         stale = [staleness(g.min_version, version_now) for g in groups]
         gen_tokens = float(full.loss_mask.sum())
         rewards = full.rewards
+        is_mean = sums["is_ratio_sum"] / max(sums["valid"], 1)
+        all_tokens = float(full.attention_mask.sum())
         metrics = {
             "loss": sums["loss"] / epochs, "pg_loss": sums["pg_loss"] / epochs, "kl": sums["kl"] / epochs,
             "entropy": sums["entropy"] / epochs,
             "clipfrac": sums["clipped"] / max(sums["valid"], 1),
             "grad_norm": sums["grad_norm"] / max(sums["updates"], 1),
+            "grad_norm_clipped": sums["grad_norm_clipped"] / max(sums["updates"], 1),
+            "zero_adv_frac": sum(len({s.reward for s in g.samples}) == 1 for g in groups) / len(groups),
+            "adv_abs_mean": float(advantages.abs().mean()),
+            "response_tokens": gen_tokens / n, "turns_mean": sum(s.turns for g in groups for s in g.samples) / n,
+            "masked_frac": 1.0 - gen_tokens / max(all_tokens, 1.0),
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
             "staleness_mean": sum(stale) / len(stale), "staleness_max": float(max(stale)),
-            "is_ratio_mean": sums["is_ratio_sum"] / max(sums["valid"], 1),
+            "is_ratio_mean": is_mean,
+            "is_ratio_std": max(sums["is_ratio_sq_sum"] / max(sums["valid"], 1) - is_mean ** 2, 0.0) ** 0.5,
             "behaviour_kl": sums["behaviour_kl_sum"] / max(sums["valid"], 1),
             "is_ratio_max": is_max if sums["valid"] else 1.0, "is_ratio_min": is_min if sums["valid"] else 1.0,
             "tokens": gen_tokens, "tokens_per_s": gen_tokens * epochs / step_s, "step_s": step_s,
@@ -287,7 +302,8 @@ class Trainer:
         ``grad_norm`` and ``updates`` are global already and are left alone."""
         from trainer.distributed import all_reduce_floats
 
-        keys = ("loss", "pg_loss", "kl", "entropy", "clipped", "valid", "is_ratio_sum", "behaviour_kl_sum")
+        keys = ("loss", "pg_loss", "kl", "entropy", "clipped", "valid", "is_ratio_sum", "is_ratio_sq_sum",
+                "behaviour_kl_sum")
         for k, v in zip(keys, all_reduce_floats([float(sums[k]) for k in keys], self.device)):
             sums[k] = v
         low, neg_high = all_reduce_floats([is_min, -is_max], self.device, torch.distributed.ReduceOp.MIN)

@@ -31,7 +31,8 @@ def service_config(section: TrainerSection) -> ServiceConfig:
     return ServiceConfig(bus=section.bus, kafka=section.kafka, run=section.run, model_dir=resolve_model(section.model),
                          run_dir=section.run_dir, trainer=section.trainer, steps=section.steps,
                          batch_groups=section.batch_groups, max_staleness=section.max_staleness,
-                         checkpoint_every=section.checkpoint_every, console=False, barrier_peers=section.barrier_peers)
+                         checkpoint_every=section.checkpoint_every, console=False, barrier_peers=section.barrier_peers,
+                         stop_on_collapse=section.stop_on_collapse)
 
 
 def main(section: TrainerSection, stop: threading.Event) -> dict[str, Any] | None:

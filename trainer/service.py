@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from topics.names import TopicNames
 from topics.patience import patiently
 from topics.reader_watch import ReaderWatch
 from topics.schemas import TrainedBatch, TrainerProgress
+from trainer.collapse import Collapse, CollapseWatch
 from trainer.checkpoint import (load_checkpoint, load_latest, prepare_save, save_checkpoint,
                                 save_distributed_checkpoint)
 from trainer.config import TrainerConfig
@@ -60,6 +62,8 @@ from trainer.metrics import MetricsSink
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
+#: the copy of the checkpoint taken at the best reward window (``stop_on_collapse``), beside ``checkpoints``
+BEST_CHECKPOINT = "best-checkpoint"
 
 
 def recorded_batches(bus: Bus, names: TopicNames, policy: str, timeout_s: float = 30.0) -> dict[int, TrainedBatch]:
@@ -119,7 +123,9 @@ class ServiceConfig:
     lockstep coupling with these policies (peer -> its ``steps``; see
     :class:`trainer.coupling.VersionBarrier`); None: independent. ``checkpoint_every``:
     steps between checkpoints. ``keep_checkpoints``: complete checkpoints kept. ``kafka``: the
-    bus's security settings (None: from the ``ASTRAFLOW_KAFKA_*`` environment).
+    bus's security settings (None: from the ``ASTRAFLOW_KAFKA_*`` environment). ``stop_on_collapse``: stop when
+    the reward collapses (:mod:`trainer.collapse`), and keep the checkpoint of the best reward window in
+    ``<run_dir>/best-checkpoint``; either way a collapse is alerted on ``metrics`` and logged.
     """
 
     bus: str
@@ -137,6 +143,7 @@ class ServiceConfig:
     poll_timeout_s: float = 5.0
     console: bool = True
     kafka: KafkaSecurity | None = None
+    stop_on_collapse: bool = False
 
 
 class TrainerService:
@@ -184,6 +191,10 @@ class TrainerService:
         self._publish_alerted: tuple[int, int | None] = (0, None)  # (publish errors, version while failing)
         self._progress_sent: tuple[int, int, bool, bool] | None = None
         self._progress_ts = 0.0
+        self.collapse_watch = CollapseWatch()
+        #: the collapse that stopped this trainer (``stop_on_collapse``), else None
+        self.collapsed: Collapse | None = None
+        self._best_kept: float | None = None  # the trailing reward window of the checkpoint in best-checkpoint
         self._resume()
         if self.trainer.backend.CHECKPOINT_DIR is None:  # checkpoints go through save_pretrained
             prepare_save(self.trainer.model)
@@ -258,6 +269,8 @@ class TrainerService:
                 optimizer=self.trainer.optimizer, offsets=offsets, serving=self.serving.state_dict(),
                 policies=policies, renumbered=self._renumbered, keep=self.config.keep_checkpoints)
         self._pending.clear()
+        if self.config.stop_on_collapse:
+            self._keep_if_best(path)
         # the checkpoint is durable: a commit refused while the broker restarts (NOT_COORDINATOR, seen) is retried
         patiently(f"trainer.{self.config.trainer.policy}: commit", lambda: self.serving.commit(offsets), log=log)
         self._committed = offsets
@@ -267,8 +280,12 @@ class TrainerService:
         """Train until ``steps`` steps on the lineage (:attr:`steps_done`), ``idle_exit_s`` without data, or
         ``stop`` is set (then the step in hand finishes and a checkpoint commits it); returns a summary.
 
+        With ``stop_on_collapse``, a collapse (:meth:`_alert_collapse`) also stops it, after a checkpoint of the
+        steps trained: :attr:`collapsed` then names it.
+
         Returns:
-            {"version", "steps_run" (steps this process ran), "dropped_stale", "duplicates", "wall_s"}.
+            {"version", "steps_run" (steps this process ran), "dropped_stale", "duplicates", "wall_s"}, and
+            "collapsed" (the collapse's one-line description) when a collapse stopped it.
         """
         cfg = self.config
         start = time.perf_counter()
@@ -326,21 +343,62 @@ class TrainerService:
                 if self.publisher is not None:
                     metrics.update(self._publish(step.weights, step.version))
                 self.metrics.emit(self.trainer.version, metrics)
+                collapse = self.collapse_watch.observe(self.steps_done, metrics["reward_mean"], metrics["entropy"])
+                if collapse is not None:
+                    self._alert_collapse(collapse)
                 self._pending.append(TrainedBatch(policy=self.config.trainer.policy, version=self.trainer.version,
                                                   group_ids=[g.group_id for g in fresh],
                                                   replayed_ids=[g.group_id for g in batch.groups[len(fresh):]]))
                 steps_run += 1
                 if self.trainer.version % cfg.checkpoint_every == 0:
                     self.checkpoint()
+                if self.collapsed is not None:
+                    break
             if self._pending:
                 self.checkpoint()
             self._command("stop")
-            self.report_progress(finished=True)
+            if self.collapsed is None:
+                self.report_progress(finished=True)
         finally:
             self.metrics.close()
-        return {"version": self.trainer.version, "steps_run": steps_run,
-                "dropped_stale": self.serving.total_dropped_stale, "duplicates": self.serving.total_duplicates,
-                "wall_s": time.perf_counter() - start}
+        summary = {"version": self.trainer.version, "steps_run": steps_run,
+                   "dropped_stale": self.serving.total_dropped_stale, "duplicates": self.serving.total_duplicates,
+                   "wall_s": time.perf_counter() - start}
+        if self.collapsed is not None:
+            summary["collapsed"] = self.collapsed.describe()
+        return summary
+
+    def _alert_collapse(self, collapse: Collapse) -> None:
+        """Log ``collapse`` and alert it on ``metrics`` (the live view, ``status`` and the exporter show it); with
+        ``stop_on_collapse`` mark the trainer to stop after this step (:attr:`collapsed`)."""
+        stop = self.config.stop_on_collapse
+        best = self.run_dir / BEST_CHECKPOINT
+        then = (f"stopping (stop_on_collapse); the best window's checkpoint is {best}" if stop else
+                "training on (policies.<policy>.stop_on_collapse: true stops here and keeps the best checkpoint)")
+        log.error("trainer %s: %s; %s", self.config.trainer.policy, collapse.describe(), then)
+        self.metrics.alert({**collapse.values(), "version": float(self.trainer.version)})
+        if stop:
+            self.collapsed = collapse
+
+    def _keep_if_best(self, path: Path) -> None:
+        """Make checkpoint ``path`` (just written) the best checkpoint when the reward's trailing window
+        (:class:`CollapseWatch`) is the best of any checkpoint so far: hard links to its files (written once, never
+        changed) under ``best-checkpoint``, replaced atomically (a rename)."""
+        window = self.collapse_watch.trailing_window
+        if window is None or (self._best_kept is not None and window <= self._best_kept):
+            return
+        best, tmp = self.run_dir / BEST_CHECKPOINT, self.run_dir / f".{BEST_CHECKPOINT}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(path, tmp, copy_function=os.link)
+        old = self.run_dir / f".{BEST_CHECKPOINT}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if best.exists():
+            os.rename(best, old)
+        os.rename(tmp, best)
+        shutil.rmtree(old, ignore_errors=True)
+        self._best_kept = window
+        log.info("trainer %s: %s holds version %d (reward window %.3f, the best so far)",
+                 self.config.trainer.policy, best, self.trainer.version, window)
 
     def _publish(self, weights: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Hand ``weights`` to the publisher as ``version``, with this trainer's position on ``samples.<policy>``;

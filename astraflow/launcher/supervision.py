@@ -6,7 +6,8 @@ seconds): RaaS workers, filter processors and acquisition are stateless group me
 its checkpoint. A component that once got going (a process of it ran ``STARTED_S`` seconds) is restarted for as
 long as the run goes, however often it is killed; so is one killed from outside by a signal. A component that
 exits on its own ``MAX_START_FAILURES`` times before it ever got going (bad config, a port in use) cannot start:
-the run fails, naming it; so does one that exits with ``EXIT_BAD_INPUT``.
+the run fails, naming it; so does one that exits with ``EXIT_BAD_INPUT``, and a trainer that exits with
+``EXIT_COLLAPSED`` (its reward collapsed and ``stop_on_collapse`` stopped it).
 
 Like a liveness probe, a component whose heartbeat file (:data:`astraflow.launched.HEARTBEAT_ENV`, touched every
 second by a thread of its own; one per rank under ``torchrun``) has not changed for ``FROZEN_S`` seconds of the
@@ -25,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 
 from astraflow.config import RunConfig
-from astraflow.launched import EXIT_BAD_INPUT, HEARTBEAT_ENV, LAUNCHER_PID_ENV
+from astraflow.launched import EXIT_BAD_INPUT, EXIT_COLLAPSED, HEARTBEAT_ENV, LAUNCHER_PID_ENV
 from astraflow.launcher.outputs import write_components
 from astraflow.launcher.plan import Component
 from astraflow.placement import component_placement, placement_env
@@ -239,6 +240,11 @@ class Supervisor:
                                f"{c.log}:\n{log_tail(c.log)}")
             if code == EXIT_BAD_INPUT:
                 self.console.print(f"[bold red]{c.name} stopped on bad input; a restart would stop there again[/]")
+                failed.append(c)
+                continue
+            if code == EXIT_COLLAPSED and c.kind == "trainer":
+                self.console.print(f"[bold red]{c.name} stopped: its reward collapsed (stop_on_collapse); the best "
+                                   f"window's checkpoint is kept beside its checkpoints[/]")
                 failed.append(c)
                 continue
             delay = restart_delay(c, code, ran_s)

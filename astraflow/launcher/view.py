@@ -36,6 +36,7 @@ class LiveView:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._publish_seen: dict[str, tuple[int, bool]] = {}  # policy -> (publish errors, failing) last told
+        self._collapse_seen: dict[str, str | None] = {}  # policy -> the collapse alert last told
 
     def start(self, live: Live, t0: float) -> None:
         """Start the thread, which redraws ``live`` with the time since ``t0`` (monotonic) in the title."""
@@ -66,6 +67,7 @@ class LiveView:
                     live.update(self.monitor.table(f"run {self.run}  {time.monotonic() - t0:.0f} s"))
                     last = time.monotonic()
                 self._publish_alerts()
+                self._collapse_alerts()
                 for look in self.looks:
                     look(self.monitor)
                 if trouble:
@@ -76,6 +78,13 @@ class LiveView:
                     self.console.print(f"[bold yellow]bus trouble (components ride it out by restarts): {e}[/]")
                 trouble = str(e)
             self._done.wait(max(0.0, ROUND_S - (time.monotonic() - started)))
+
+    def _collapse_alerts(self) -> None:
+        """One console line per collapse alert of a trainer (:mod:`trainer.collapse`)."""
+        for p, view in self.monitor.views.items():
+            if view.collapse and view.collapse != self._collapse_seen.get(p):
+                self._collapse_seen[p] = view.collapse
+                self.console.print(f"[bold red]trainer.{p}: {view.collapse} (logs/trainer.{p}.log)[/]")
 
     def _publish_alerts(self) -> None:
         """One console line when a trainer's weight publishes start failing (or fail again), and one when
