@@ -54,6 +54,9 @@ class TrainerConfig(BaseModel):
     adv_scale_by_std: bool = Field(default=True, description="GRPO (True) or Dr. GRPO (False) advantages")
     clip_low: float = Field(default=0.2, ge=0)
     clip_high: float | None = Field(default=None, ge=0, description="DAPO clip-higher ε_high; None: = clip_low")
+    dual_clip: float | None = Field(default=None, gt=1, description="dual-clip c: a token with a negative "
+                                    "advantage weighs at most c x |A| (PPO's dual clip, and for m2po the tokens its "
+                                    "trust region leaves unbounded); None: off")
     correction: Correction = "tis"
     tis_cap: float = Field(default=2.0, gt=0)
     m2po_tau: float = Field(default=0.04, ge=0)

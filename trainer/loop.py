@@ -236,6 +236,7 @@ class Trainer:
                     out = losses.policy_loss(
                         logp, logp.detach() if reuse_logp else old_logp[idx, :width], b.behavior_logp, advantages[idx], b.loss_mask,
                         correction=cfg.correction, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                        dual_clip=cfg.dual_clip,
                         tis_cap=cfg.tis_cap, m2po_tau=cfg.m2po_tau,
                         ref_logp=None if ref_logp is None else ref_logp[idx, :width], kl_coef=cfg.kl_coef,
                         entropy=ent, entropy_coef=cfg.entropy_coef, agg=cfg.loss_agg,

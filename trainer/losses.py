@@ -311,9 +311,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behavior_logp: torch
                 n_seqs: float | None = None, norm_len: float | None = None) -> LossOutput:
     """The full per-batch policy loss: pg + kl_coef·KL - entropy_coef·H.
 
-    The pg term depends on ``correction`` (module docstring); ``clip_low``, ``clip_high``
-    and ``dual_clip`` (:func:`ppo_clip`) apply to ``"none"`` and ``"tis"``, ``tis_cap``
-    to ``"tis"``, ``m2po_tau`` to ``"m2po"``. KL is :func:`k3_kl`
+    The pg term depends on ``correction`` (module docstring); ``clip_low`` and ``clip_high``
+    (:func:`ppo_clip`) apply to ``"none"`` and ``"tis"``, ``tis_cap`` to ``"tis"``, ``m2po_tau`` to ``"m2po"``;
+    ``dual_clip`` c to all three: a token with A < 0 contributes at most ``-c·A`` (zero gradient beyond), which
+    for M2PO bounds the tokens its trust region never constrains (A < 0 with r > c: the policy raised a token
+    the advantage pushes down; Ye et al. 2020's dual clip, applied to M2PO's surrogate ``r·A``). KL is :func:`k3_kl`
     against ``ref_logp`` (GRPO, Shao et al. 2024, eq. 3); the entropy bonus
     subtracts ``entropy_coef`` times the mean token entropy (Schulman et al. 2017, eq. 9).
 
@@ -354,6 +356,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, behavior_logp: torch
         # (zero gradient); every other token the unclipped -r·A. ε-clipping does not apply.
         bound = torch.exp(torch.where(lr > 0, delta, -delta)) if math.isfinite(delta) else ratio.detach()
         token_pg = -adv * torch.where(clipped, bound.detach(), ratio)
+        if dual_clip is not None:  # the dual clip of ppo_clip on the tokens M2PO leaves unbounded: A<0, r>1
+            if dual_clip <= 1.0:
+                raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+            dual = (adv < 0) & (ratio.detach() > dual_clip) & valid
+            token_pg = torch.where(dual, -adv * dual_clip, token_pg)
+            clipped = clipped | dual
         weight = ratio.detach()
     else:
         raise ValueError(f"unknown off-policy correction {correction!r}; use none, tis or m2po")

@@ -60,7 +60,7 @@ def test_the_grafana_dashboard_is_a_dashboard_of_prometheus_panels_on_a_datasour
             assert t["datasource"] == ds and re.search(r"\bastraflow_\w+", t["expr"]), (p["title"], t)
     queries = " ".join(dashboard_queries(dashboard))
     for figure in ("reward_mean", "kl", "entropy", "clipfrac", "staleness_hist", "consumer_lag", "tokens_total",
-                   "component_restarts", "publish_wait_s"):
+                   "component_restarts", "publish_wait_s", "grad_norm", "collapse"):
         assert f"astraflow_{figure}" in queries, figure
     assert queries.count("(") == queries.count(")") and queries.count("{") == queries.count("}")
 

@@ -63,6 +63,25 @@ def test_m2po_clip_ignores_padding_by_hand():
     assert not losses.m2po_clip(log_ratio, -adv, mask, tau=0.0)[0].any()
 
 
+def test_m2po_dual_clip_bounds_the_raised_tokens_a_negative_advantage_pushes_down_by_hand():
+    # A < 0 everywhere: r = e^-1 moved with the advantage (M2PO's harmful side: tau large, so not clipped); r = 2
+    # and r = 20 moved against it, which M2PO never bounds. With dual_clip 3 the r = 20 token weighs 3|A| and
+    # has no gradient; the others keep r·|A|.
+    logp = torch.tensor([[-1.0, math.log(2.0), math.log(20.0)]], requires_grad=True)
+    zeros, mask, adv = torch.zeros(1, 3), torch.ones(1, 3), torch.tensor([-2.0])
+    out = losses.policy_loss(logp, zeros, zeros, adv, mask, correction="m2po", m2po_tau=10.0, dual_clip=3.0,
+                             agg="seq-sum-norm", norm_len=1)
+    out.loss.backward()
+    assert out.clipped.tolist() == [[False, False, True]]
+    assert out.loss.item() == pytest.approx(2.0 * (math.exp(-1.0) + 2.0 + 3.0), rel=1e-5)
+    assert torch.allclose(logp.grad, torch.tensor([[2.0 * math.exp(-1.0), 4.0, 0.0]]), atol=1e-5)
+    without = losses.policy_loss(logp.detach(), zeros, zeros, adv, mask, correction="m2po", m2po_tau=10.0,
+                                 agg="seq-sum-norm", norm_len=1)
+    assert without.loss.item() == pytest.approx(2.0 * (math.exp(-1.0) + 2.0 + 20.0), rel=1e-5)
+    with pytest.raises(ValueError, match="dual_clip"):
+        losses.policy_loss(logp, zeros, zeros, adv, mask, correction="m2po", dual_clip=1.0)
+
+
 def test_k3_kl_by_hand():
     logp = torch.log(torch.tensor([0.5]))
     ref = torch.log(torch.tensor([0.25]))
