@@ -99,7 +99,9 @@ def write_outputs(cfg: RunConfig, names: TopicNames, components: list[Component]
     """Write the run directory's outputs (module docstring) and return the summary: ``run``, ``complete`` (every
     trainer exited 0 and reported its ``steps`` versions), ``restarts`` (of all components), ``steps``,
     ``versions`` (per policy), ``reward_first`` / ``reward_last`` / ``reward_best`` (:func:`reward_summary` of the
-    config's first policy, rounded to 4 places), ``dead_letters`` and ``wall_s`` (seconds, rounded to 0.1)."""
+    config's first policy, rounded to 4 places), ``final_over_best`` (reward_last / reward_best: 1 for a run that
+    ended at its peak; None when reward_best is None or 0), ``collapses`` (per policy, its newest collapse alert:
+    :mod:`trainer.collapse`), ``dead_letters`` and ``wall_s`` (seconds, rounded to 0.1)."""
     run_dir = cfg.run_dir
     write_components(components, run_dir)
     with open(run_dir / "metrics.jsonl", "w") as f:
@@ -120,6 +122,8 @@ def write_outputs(cfg: RunConfig, names: TopicNames, components: list[Component]
         "reward_first": None if first is None else round(first, 4),
         "reward_last": None if last is None else round(last, 4),
         "reward_best": None if best is None else round(best, 4),
+        "final_over_best": round(last / best, 4) if last is not None and best else None,
+        "collapses": {p: v.collapse for p, v in monitor.views.items() if v.collapse},
         "dead_letters": monitor.dead_letters,
         "wall_s": round(wall_s, 1),
     }

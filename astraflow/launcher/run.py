@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.live import Live
 
 from astraflow.config import RunConfig
+from astraflow.launched import EXIT_COLLAPSED
 from astraflow.launcher.changelog_check import ChangelogCheck
 from astraflow.launcher.filter_wedge import FilterWedgeWatch
 from astraflow.launcher.outputs import resumption, trainer_versions, write_outputs
@@ -47,10 +48,12 @@ class Launcher:
 
     def run(self) -> dict:
         """Start everything, show the live view, stop cleanly; returns the summary dict
-        (:func:`~astraflow.launcher.outputs.write_outputs`), with ``interrupted`` after Ctrl-C or SIGTERM.
+        (:func:`~astraflow.launcher.outputs.write_outputs`), with ``interrupted`` after Ctrl-C or SIGTERM, and
+        ``stopped_on_collapse`` (the trainers that stopped on a collapse, ``stop_on_collapse``; the run is then
+        incomplete).
 
         Raises:
-            RuntimeError: a component failed (why is printed first), or the data ran out.
+            RuntimeError: a component failed other than by a collapse (why is printed first), or the data ran out.
             topics.bus.BusError: the bus does not answer at the start.
         """
         cfg, console, supervisor = self.cfg, self.console, self.supervisor
@@ -116,7 +119,11 @@ class Launcher:
         wall = time.monotonic() - t0
         console.print()  # end the live view's line, so the JSON summary starts on its own line
         summary = write_outputs(cfg, self.names, self.components, monitor, wall, console)
-        if failed:
+        collapsed = [c.name for c in failed if c.kind == "trainer" and c.proc is not None
+                     and c.proc.returncode == EXIT_COLLAPSED]
+        if collapsed:
+            summary["stopped_on_collapse"] = collapsed
+        if len(failed) > len(collapsed):
             raise RuntimeError(f"components failed: {', '.join(c.name for c in failed)} (why above; see their logs)")
         if self.watchdog.data_exhausted and not interrupted:
             raise RuntimeError(self.watchdog.data_exhausted)
