@@ -14,7 +14,8 @@ that one batch.
 Pacing: with ``max_outstanding`` set, the producer waits while the RaaS consumer
 group's lag on ``prompts`` (records written but not yet committed, from
 :meth:`topics.bus.Admin.group_lag`) would exceed it, so a run does not dump the
-whole dataset onto the topic at once.
+whole dataset onto the topic at once. One admin client serves the pacing (and the topics' creation) for the
+acquisition's life; :meth:`Acquisition.close` releases it.
 
 Bad records cost one record each: a record the source cannot make a Prompt of
 (a line that is not UTF-8 or not JSON, a missing field, a prompt over
@@ -41,7 +42,7 @@ from typing import Any
 from producers.config import AcquisitionSection
 from producers.sources import PromptSource, SourceError, load_source, prompt_id
 from topics.atomic_write import atomic_write
-from topics.bus import Bus, Producer
+from topics.bus import Admin, Bus, Producer
 from topics.codec import encode, headers_for
 from topics.layout import PARTITIONS, RunTopics
 from topics.names import TopicNames
@@ -143,6 +144,8 @@ class Acquisition:
             prompt goes through ``gate.submit`` instead of straight to ``prompts``.
         strict: raise on the first bad record instead of dead-lettering it (module docstring).
 
+    The admin client it reads the lag with is opened at first use and kept; :meth:`close` releases it.
+
     Raises:
         ValueError: a non-positive ``epochs``, ``batch_size`` or ``max_outstanding``.
     """
@@ -168,6 +171,7 @@ class Acquisition:
         self.poll_s = poll_s
         self.gate = gate
         self._topics_ready = False
+        self._admin: Admin | None = None
         self.strict = strict
         self.state = (AcquisitionState.load(self.state_path, source.name, len(source), seed)
                       if self.state_path is not None
@@ -182,9 +186,29 @@ class Acquisition:
         """Whether every epoch has been sent."""
         return self.state.epoch >= self.epochs
 
+    def admin(self) -> Admin:
+        """The acquisition's admin client, opened at the first call and reused until :meth:`close`.
+
+        Raises:
+            topics.bus.BusError: the bus cannot be reached to open it.
+        """
+        if self._admin is None:
+            self._admin = self.bus.admin()
+        return self._admin
+
+    def close(self) -> None:
+        """Release the admin client (a later call opens a new one)."""
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+
     def outstanding(self) -> int:
-        """Prompts on ``prompts`` not yet committed by the pacing group (records)."""
-        return sum(self.bus.admin().group_lag(self.group, self.names.prompts).values())
+        """Prompts on ``prompts`` not yet committed by the pacing group (records).
+
+        Raises:
+            topics.bus.BusError: the bus did not answer.
+        """
+        return sum(self.admin().group_lag(self.group, self.names.prompts).values())
 
     def _wait_for_room(self, need: int, stop: threading.Event) -> bool:
         """Block until ``need`` more prompts fit under ``max_outstanding``; False if stopped first."""
@@ -214,10 +238,9 @@ class Acquisition:
         """
         stop = stop or threading.Event()
         if not self._topics_ready:  # once: acquire_run calls this for every batch, and the broker may be away
-            admin = self.bus.admin()
             topics = RunTopics(self.names, self.partitions)
             for spec in (topics.prompts, topics.deadletter):
-                patiently(f"acquire: topic {spec.name}", lambda s=spec: s.create(admin), log=log)
+                patiently(f"acquire: topic {spec.name}", lambda s=spec: s.create(self.admin()), log=log)
             self._topics_ready = True
         producer = self.bus.producer()
         total = self.epochs * len(self.source)
@@ -355,6 +378,8 @@ def acquire_run(cfg: AcquisitionSection, stop: threading.Event | None = None) ->
                 if not a.done and not stop.is_set():
                     sent += a.run(stop, max_prompts=max(1, round(a.batch_size * weight / top)))
     finally:
+        for _, a in acqs:
+            a.close()
         if gate is not None:
             gate.close()
     for _, a in acqs:

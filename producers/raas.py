@@ -46,11 +46,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 from policies.staleness import staleness, too_stale
 from producers.config import RaasSection, RolloutPolicyConfig, ToolsConfig
@@ -59,6 +60,7 @@ from producers.engine_sync import EngineSync
 from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, SamplingParams
 from producers.hf_engine import HFEngine
 from producers.prompt_ledger import PromptLedger
+from producers.rewards import reward_errors
 from producers.workflows import Tool, episode_ended, get_workflow, prompt_ids
 from topics.bus import Bus, BusError, Record, TopicPartition, connect
 from topics.patience import patiently
@@ -651,6 +653,8 @@ class RaasWorker:
                 values[f"tool.{name}.calls_total"] = float(tool.calls)
             if hasattr(tool, "errors"):
                 values[f"tool.{name}.errors_total"] = float(sum(tool.errors.values()))
+        # items whose reward raised or timed out (scored 0.0), in this process (producers.rewards.reward_errors)
+        values["reward_errors_total"] = float(sum(reward_errors().values()))
         metric = Metric(component=self.id, kind="raas", values=values)
         self.producer.send(self.names.metrics, encode(metric), key=self.id, headers=headers_for(metric))
 
@@ -670,7 +674,11 @@ class RaasWorker:
     def close(self) -> None:
         """Give up the episodes in flight (their prompts are not committed: :meth:`step`), flush, commit
         what finished, leave the group, stop following weights and close the tools and engines (a
-        launched SGLang server is stopped)."""
+        launched SGLang server is stopped).
+
+        A tool's ``close`` may be synchronous or a coroutine function. A tool, engine or client whose close
+        raises is logged (with its traceback) and the rest are still closed; nothing of that is raised here.
+        """
         try:
             if self.episodes:
                 self._abandon()
@@ -684,19 +692,24 @@ class RaasWorker:
                 task.cancel()
             if pending:
                 self.loop.run_until_complete(asyncio.wait(pending))
-            for tool in self.tools.values():
-                close = getattr(tool, "close", None)
+            closes: list[tuple[str, Callable[[], object] | None]] = [
+                *((f"tool {name}", getattr(tool, "close", None)) for name, tool in self.tools.items()),
+                *((f"engine batcher {p}", b.close) for p, b in self.batchers.items()),
+                ("event loop", self.loop.close), ("consumer", self.consumer.close),
+                ("progress follower", self.progress.close), ("command follower", self.commands.close),
+                ("admin client", self.admin.close),
+                *((f"weight puller {p}", puller.close) for p, puller in self.pullers.items()),
+                *((f"engine {p}", getattr(e, "close", None)) for p, e in self.engines.items())]
+            for what, close in closes:
                 if close is not None:
-                    self.loop.run_until_complete(close())
-            for batcher in self.batchers.values():
-                batcher.close()
-            self.loop.close()
-            self.consumer.close()
-            self.progress.close()
-            self.commands.close()
-            for puller in self.pullers.values():
-                puller.close()
-            for engine in self.engines.values():
-                close = getattr(engine, "close", None)
-                if close is not None:
-                    close()
+                    self._close_one(what, close)
+
+    def _close_one(self, what: str, close: Callable[[], object]) -> None:
+        """Call ``close`` and, when it returns an awaitable (an async ``close``), run that on the worker's
+        loop; log what it raises (``what`` names it) instead of raising."""
+        try:
+            result = close()
+            if inspect.isawaitable(result):
+                self.loop.run_until_complete(result)
+        except Exception:
+            log.exception("%s: closing %s failed; closing the rest", self.id, what)

@@ -21,6 +21,10 @@ The reward of a prompt is ``prompt.metadata["reward"]`` when set, else its
 New rewards are registered with :func:`register_reward`. Every reward returns a
 float in [0, 1] here, but the registry does not require it.
 
+A reward that raises (or, in the process pool, runs past its timeout or loses its worker) scores 0.0; each such
+failure is logged as a warning naming the reward, the prompt and the error, and counted by reward name
+(:func:`reward_errors`; a RaaS worker reports the sum as ``reward_errors_total`` on ``metrics``).
+
 The process pool (pebble, ``spawn`` start method, :func:`pool_workers` workers)
 re-imports the main script in each worker, as any ``spawn`` pool does: scripts
 that score math must keep their work under ``if __name__ == "__main__":``.
@@ -28,15 +32,19 @@ that score math must keep their work under ``if __name__ == "__main__":``.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import re
 import threading
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 from producers.sandbox import SandboxLimits, SandboxUnavailable, run_python
 from topics.schemas import Prompt
+
+log = logging.getLogger(__name__)
 
 RewardFn = Callable[[Prompt, str], float]
 #: ``inline``: called directly; ``thread``: in a thread pool (I/O or subprocess bound);
@@ -221,6 +229,23 @@ def boxed_format_reward(prompt: Prompt, completion: str) -> float:
 _lock = threading.Lock()
 _process_pool = None
 _thread_pool: ThreadPoolExecutor | None = None
+_errors: Counter[str] = Counter()  # reward name -> items it failed to score in this process
+_errors_lock = threading.Lock()
+
+
+def reward_errors() -> dict[str, int]:
+    """Items each reward failed to score in this process (raised, timed out or lost its worker), by reward name;
+    each such item scored 0.0 (:func:`score_pairs`)."""
+    with _errors_lock:
+        return dict(_errors)
+
+
+def _failed(spec: RewardSpec, prompt: Prompt, why: str) -> float:
+    """Log and count an item that reward ``spec`` failed to score (``why``: what went wrong); its score, 0.0."""
+    with _errors_lock:
+        _errors[spec.name] += 1
+    log.warning("reward %r failed on prompt %s, scored 0.0: %s", spec.name, prompt.prompt_id, why)
+    return 0.0
 
 
 def pool_workers() -> int:
@@ -275,7 +300,8 @@ def score_pairs(pairs: Sequence[tuple[Prompt, str]], timeout_s: float = DEFAULT_
         on_done: called once per finished item (for progress bars).
 
     Returns:
-        One float per pair, in order. A reward that raises scores 0.0.
+        One float per pair, in order. An item whose reward raises, times out or loses its worker scores 0.0,
+        with a warning and a count in :func:`reward_errors`.
 
     Raises:
         RewardError: a prompt names an unregistered reward (checked before any work starts).
@@ -297,17 +323,19 @@ def score_pairs(pairs: Sequence[tuple[Prompt, str]], timeout_s: float = DEFAULT_
                 futures.append(float(spec.fn(prompt, completion)))
             except SandboxUnavailable:
                 raise
-            except Exception:
-                futures.append(0.0)
+            except Exception as e:
+                futures.append(_failed(spec, prompt, f"{type(e).__name__}: {e}"))
     scores = []
-    for fut in futures:
+    for spec, (prompt, _), fut in zip(specs, pairs, futures):
         if isinstance(fut, Future):
             try:
                 value = float(fut.result())
             except SandboxUnavailable:  # a host problem, not the completion's: refuse loudly
                 raise
-            except Exception:  # timeout, crashed worker or an error in the reward: no credit
-                value = 0.0
+            except Exception as e:  # timeout, crashed worker or an error in the reward: no credit
+                late = spec.mode == "process" and isinstance(e, TimeoutError)  # the pool's per-item limit
+                why = f"no result within {timeout_s:g} s" if late else f"{type(e).__name__}: {e}"
+                value = _failed(spec, prompt, why)
         else:
             value = fut
         scores.append(value)

@@ -273,6 +273,10 @@ class Admin(abc.ABC):
     def start_offsets(self, topic: str) -> dict[int, int]:
         """Per partition, the earliest retained offset."""
 
+    def close(self) -> None:
+        """Release the clients this admin opened for its reads (a later read opens them again). The embedded
+        bus's admin holds none."""
+
 
 class Bus(abc.ABC):
     """A connection to one bus; makes producers, consumers and an admin."""

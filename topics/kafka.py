@@ -995,6 +995,14 @@ class KafkaAdmin(Admin):
         process across a broker outage. Raises BusError when the cluster does not answer."""
         return _group_members(self._client, group)
 
+    def close(self) -> None:
+        """Close the consumers that read watermarks and group offsets (none of them ever joined a group; a later
+        read opens them again). The AdminClient has no close of its own: it is released with this object."""
+        readers = [*self._offset_readers.values(), *([self._watermark_reader] if self._watermark_reader else [])]
+        self._offset_readers, self._watermark_reader = {}, None
+        for reader in readers:
+            reader.close()
+
 
 class KafkaBus(Bus):
     """The bus on an Apache Kafka cluster at ``bootstrap`` (``host:port[,host:port]``), every client

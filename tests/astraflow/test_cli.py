@@ -140,6 +140,17 @@ def test_verify_rewards_takes_the_first_element_of_a_list_valued_answer_field(tm
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"gold_accept": 1.0, "wrong_reject": 1.0, "n": 2}
 
 
+def test_verify_rewards_exits_1_when_a_reward_disagrees(tmp_path):
+    """The wrong answer made of 10^0 is 20^0, which equals it: the math reward accepts it."""
+    data = tmp_path / "powers.jsonl"
+    data.write_text(json.dumps({"problem": "What is 6*7?", "answer": "42"}) + "\n"
+                    + json.dumps({"problem": "What is 10^0?", "answer": "10^0"}) + "\n")
+    result = CliRunner().invoke(app, ["verify-rewards", "--dataset", str(data)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "disagreements" in result.stdout and "20^0" in result.stdout
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"gold_accept": 1.0, "wrong_reject": 0.5, "n": 2}
+
+
 def test_acquire_with_strict_data_exits_non_zero_at_the_first_bad_record(tmp_path):
     """In a subprocess: a component command installs signal handlers and logging for its process."""
     data = tmp_path / "p.jsonl"

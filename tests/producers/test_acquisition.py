@@ -1,5 +1,5 @@
-"""Acquisition on every bus backend: epochs, seeded shuffle, resume without resending, lag pacing; bad records
-go to deadletter one by one (or stop a strict run)."""
+"""Acquisition on every bus backend: epochs, seeded shuffle, resume without resending, lag pacing (through one
+admin client, closed when acquisition stops); bad records go to deadletter one by one (or stop a strict run)."""
 import json
 import logging
 import re
@@ -15,6 +15,7 @@ from producers.acquisition import Acquisition, AcquisitionError, acquire_run
 from producers.sources import SourceError, load_source, prompt_id
 from topics.bus import TopicPartition, connect, read_topic
 from topics.codec import decode
+from topics.local import LocalAdmin, LocalBus
 from topics.names import TopicNames
 from topics.schemas import DeadLetter, Prompt
 
@@ -88,6 +89,57 @@ def test_pacing_holds_prompts_back_until_the_raas_group_consumes(bus_url, tmp_pa
     finally:
         worker.join(timeout=30)
     assert acq.done and acq.state.sent == 25
+
+
+class ClosableAdmin(LocalAdmin):
+    """The embedded bus's admin, recording its close."""
+
+    closed = False
+
+    def close(self) -> None:
+        super().close()
+        self.closed = True
+
+
+class AdminLedgerBus(LocalBus):
+    """The embedded bus, keeping every admin client it hands out (:class:`ClosableAdmin`)."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.admins: list[ClosableAdmin] = []
+
+    def admin(self) -> ClosableAdmin:
+        self.admins.append(ClosableAdmin(self))
+        return self.admins[-1]
+
+
+def test_pacing_reads_the_lag_through_one_admin_client_closed_with_the_acquisition(tmp_path):
+    bus, names = AdminLedgerBus(str(tmp_path / "bus")), TopicNames(f"acq-{uuid.uuid4().hex[:8]}")
+    acq = Acquisition(bus, names, load_source("arith", n=8), max_outstanding=4, batch_size=4, poll_s=0.05,
+                      partitions=1)
+    worker = threading.Thread(target=acq.run)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while acq.state.sent < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # about ten lag checks while the group has consumed nothing
+        assert acq.state.sent == 4 and worker.is_alive()
+        consumer = bus.consumer(acq.group)
+        consumer.subscribe([names.prompts])
+        got, deadline = 0, time.monotonic() + 30
+        while got < 8 and time.monotonic() < deadline:
+            records = consumer.poll(max_records=8, timeout_s=0.5)
+            if records:
+                consumer.commit(records)
+                got += len(records)
+        consumer.close()
+    finally:
+        worker.join(timeout=30)
+    assert acq.done and got == 8
+    assert len(bus.admins) == 1 and not bus.admins[0].closed
+    acq.close()
+    assert len(bus.admins) == 1 and bus.admins[0].closed
 
 
 def test_state_of_another_source_is_refused(tmp_path):

@@ -2,9 +2,13 @@
 still yields exactly one accepted group downstream (de-duplicated by group_id). A SIGTERMed worker stops
 mid-batch within seconds, committing exactly the prompts it wrote groups for. A prompt too long for
 the model goes to deadletter and the worker moves past it. Prompts in flight together share one generate
-call, writing the groups a rollout per prompt writes; an interrupted one writes and commits nothing."""
+call, writing the groups a rollout per prompt writes; an interrupted one writes and commits nothing. A reward that
+raises scores 0.0 and is counted in the worker's metrics. Closing a worker takes tools with a synchronous or an
+async close, and one close that raises does not stop the rest."""
+import asyncio
 import datetime
 import json
+import logging
 import os
 import re
 import signal
@@ -21,6 +25,8 @@ from astraflow.config import load_config
 from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
 from producers.engines import SamplingParams
+from producers.rewards import register_reward, reward_errors
+from raas_rig import reported
 from topics.bus import connect, read_topic
 from topics.codec import decode, encode, headers_for
 from topics.layout import ensure_run_topics
@@ -307,3 +313,99 @@ raas: {{batch_prompts: 8}}
                 np.testing.assert_allclose(s.behavior_logprobs, t.behavior_logprobs, atol=1e-5)
     finally:
         worker.close()
+
+
+def small_run(tmp_path, tiny_model_dir):
+    """A run on the local bus (tiny model, 2 samples of 2 tokens, one partition) with its topics created:
+    (config, topic names, bus)."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"""
+run: small{uuid.uuid4().hex[:8]}
+run_dir: {tmp_path / 'run'}
+bus: local://{tmp_path / 'bus'}
+policies:
+  actor: {{model: {tiny_model_dir}}}
+data: {{sources: [{{name: arith, limit: 2}}], n_samples: 2}}
+sampling: {{max_new_tokens: 2}}
+""")
+    cfg = load_config(path)
+    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=1)
+    return cfg, names, bus
+
+
+def no_gold(prompt: Prompt, completion: str) -> float:
+    """A reward with a bug: it raises on every completion."""
+    raise LookupError(f"no gold answer for {prompt.prompt_id}")
+
+
+def test_a_reward_that_raises_scores_zero_and_the_worker_reports_it(tmp_path, tiny_model_dir, caplog):
+    reward = f"test_raises_{uuid.uuid4().hex[:8]}"  # a fresh name: test_agentic imports this module again
+    register_reward(reward)(no_gold)
+    cfg, names, bus = small_run(tmp_path, tiny_model_dir)
+    producer = bus.producer()
+    for i in range(2):
+        p = Prompt(prompt_id=f"p{i}", source="test", task_type="arith", text=f"{i}+1=", answer=str(i + 1),
+                   n_samples=2, metadata={"reward": reward})
+        producer.send(names.prompts, encode(p), key=p.prompt_id, headers=headers_for(p))
+    producer.flush()
+    before = sum(reward_errors().values())
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
+    try:
+        rolled, deadline = 0, time.monotonic() + 120
+        with caplog.at_level(logging.WARNING, logger="producers.rewards"):
+            while rolled < 2:
+                assert time.monotonic() < deadline, "the prompts were not rolled out"
+                rolled += worker.step()
+        shown = reported(worker)
+    finally:
+        worker.close()
+    groups = read_all(bus, names.trajectories("actor"))
+    assert sorted(g.prompt_id for g in groups) == ["p0", "p1"]
+    assert [s.reward for g in groups for s in g.samples] == [0.0] * 4
+    assert shown["reward_errors_total"] == before + 4
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        f"reward {reward!r} failed on prompt p{i}, scored 0.0: LookupError: no gold answer for p{i}"
+        for i in (0, 0, 1, 1)]
+
+
+class ClosingTool:
+    """A tool that echoes its query and records its synchronous close, which raises (a server already gone) with
+    ``fails``."""
+
+    def __init__(self, fails: bool = False):
+        self.fails, self.closed = fails, False
+
+    async def __call__(self, query: str) -> str:
+        return query
+
+    def close(self) -> None:
+        self.closed = True
+        if self.fails:
+            raise ConnectionResetError("the tool's server is gone")
+
+
+class AsyncClosingTool(ClosingTool):
+    """A :class:`ClosingTool` whose close is a coroutine function."""
+
+    async def close(self) -> None:
+        await asyncio.sleep(0)
+        super().close()
+
+
+def test_close_takes_sync_and_async_tool_closes_and_one_that_raises_does_not_stop_the_rest(tmp_path, tiny_model_dir,
+                                                                                          caplog):
+    cfg, names, bus = small_run(tmp_path, tiny_model_dir)
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
+    tools = {"sync": ClosingTool(), "broken": ClosingTool(fails=True), "async": AsyncClosingTool(),
+             "async_broken": AsyncClosingTool(fails=True)}
+    worker.tools.update(tools)
+    with caplog.at_level(logging.ERROR, logger="producers.raas"):
+        worker.close()
+    assert {name: t.closed for name, t in tools.items()} == dict.fromkeys(tools, True)
+    assert worker.loop.is_closed()
+    with pytest.raises(RuntimeError, match="after shutdown"):  # the cleanup after the tools ran too
+        worker.batchers["actor"].executor.submit(int)
+    assert [(r.getMessage(), str(r.exc_info[1])) for r in caplog.records] == [
+        ("raas-0: closing tool broken failed; closing the rest", "the tool's server is gone"),
+        ("raas-0: closing tool async_broken failed; closing the rest", "the tool's server is gone")]

@@ -1,12 +1,14 @@
 """Reward functions, the process-pool timeout, the registry and `astraflow verify-rewards`."""
 import json
+import logging
 import time
 
 import pytest
 from typer.testing import CliRunner
 
 from astraflow.cli import app
-from producers.rewards import (RewardError, perturb_answer, register_reward, score, score_many, score_pairs)
+from producers.rewards import (RewardError, perturb_answer, register_reward, reward_errors, score, score_many,
+                               score_pairs)
 from producers.sources import load_source
 from topics.schemas import Prompt
 
@@ -37,12 +39,38 @@ def hangs(prompt: Prompt, completion: str) -> float:
 register_reward("test_hangs", mode="process")(hangs)
 
 
-def test_a_hung_process_reward_scores_zero_and_the_pool_recovers():
-    start = time.monotonic()
+def test_a_hung_process_reward_scores_zero_and_the_pool_recovers(caplog):
+    start, before = time.monotonic(), reward_errors().get("test_hangs", 0)
     stuck = math_prompt("1", reward="test_hangs")
-    assert score_pairs([(stuck, "x"), (math_prompt("2"), "\\boxed{2}")], timeout_s=2) == [0.0, 1.0]
+    with caplog.at_level(logging.WARNING, logger="producers.rewards"):
+        assert score_pairs([(stuck, "x"), (math_prompt("2"), "\\boxed{2}")], timeout_s=2) == [0.0, 1.0]
     assert time.monotonic() - start < 60
+    assert reward_errors()["test_hangs"] == before + 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "reward 'test_hangs' failed on prompt m, scored 0.0: no result within 2 s"]
     assert score(math_prompt("3"), "\\boxed{3}") == 1.0  # the killed worker was replaced
+
+
+def breaks_on_empty(prompt: Prompt, completion: str) -> float:
+    """A reward with a bug: it divides by the completion's length."""
+    return 1.0 / len(completion)
+
+
+register_reward("test_breaks_inline")(breaks_on_empty)
+register_reward("test_breaks_thread", mode="thread")(breaks_on_empty)
+
+
+@pytest.mark.parametrize("name", ["test_breaks_inline", "test_breaks_thread"])
+def test_a_reward_that_raises_scores_zero_and_is_logged_and_counted(name, caplog):
+    before = reward_errors().get(name, 0)
+    prompts = [Prompt(prompt_id=f"p{i}", source="t", task_type="math", text="q", answer="1",
+                      metadata={"reward": name}) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="producers.rewards"):
+        assert score_pairs([(prompts[0], "ab"), (prompts[1], ""), (prompts[2], "")]) == [0.5, 0.0, 0.0]
+    assert reward_errors()[name] == before + 2
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", f"reward {name!r} failed on prompt p{i}, scored 0.0: ZeroDivisionError: float division by zero")
+        for i in (1, 2)]
 
 
 def test_code_reward_runs_the_tests():
@@ -79,7 +107,7 @@ def test_perturbed_answers_differ():
 @pytest.mark.parametrize("dataset,gold_min", [("math500", 0.99), ("gsm8k", 0.99), ("humaneval", 0.98), ("search", 1.0)])
 def test_verify_rewards_meets_the_thresholds(dataset, gold_min):
     result = CliRunner().invoke(app, ["verify-rewards", "--dataset", dataset, "--limit", "50"])
-    assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert result.exit_code == (0 if report["gold_accept"] == report["wrong_reject"] == 1.0 else 1), result.output
     assert report["n"] == 50
     assert report["gold_accept"] >= gold_min and report["wrong_reject"] >= 0.99, result.stdout
