@@ -30,9 +30,12 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     """Run a whole RL run on this machine: acquisition, RaaS workers, filter processors and trainers
     as separate processes, with a live view. Ends with a JSON summary line
     {"run", "complete", "restarts", "steps", "versions", "reward_first", "reward_last", "reward_best",
-    "dead_letters", "wall_s"} ("interrupted" too after Ctrl-C or SIGTERM), where reward_first and reward_last are
-    the mean training reward over the first and the last 20% of trainer steps, reward_best the best such window; metrics.jsonl and reward_curve.png are
-    written to the run directory. Exits 1 when the run did not complete, 2 when its config is refused."""
+    "final_over_best", "collapses", "dead_letters", "wall_s"} ("interrupted" too after Ctrl-C or SIGTERM,
+    "stopped_on_collapse" after a trainer's stop_on_collapse), where reward_first and reward_last are the mean
+    training reward over the first and the last 20% of trainer steps, reward_best the best such window,
+    final_over_best reward_last / reward_best, and collapses each policy's collapse alert; metrics.jsonl and
+    reward_curve.png are written to the run directory. Exits 1 when the run did not complete, 2 when its config
+    is refused."""
     from astraflow.launcher.preflight import ConfigRefused, check_run_config
     from astraflow.launcher.run import Launcher
     from astraflow.launcher.run_dir_lock import hold_run_dir
@@ -52,6 +55,11 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
         typer.echo(f"run failed: {e}", err=True)
         raise typer.Exit(1)
     print(json.dumps(summary), flush=True)
+    if summary.get("stopped_on_collapse"):
+        typer.echo(f"run stopped: the reward collapsed ({', '.join(summary['stopped_on_collapse'])}, "
+                   "stop_on_collapse); the best window's checkpoint is in <run_dir>/trainer.<policy>/best-checkpoint",
+                   err=True)
+        raise typer.Exit(1)
     if not summary["complete"]:
         typer.echo("run incomplete: not every trainer reached its steps", err=True)
         raise typer.Exit(1)
@@ -430,7 +438,8 @@ def verify_rewards(
     """Score each gold answer and a perturbed wrong one; print disagreements, then a JSON line
     {"gold_accept", "wrong_reject", "n"}. Records that cannot be made a prompt are skipped, with their
     count and the first one's path:line and reason (e.g. the missing field and the fields it has) on
-    stderr; exits 2 when no record is left."""
+    stderr. Exits 1 when there is any disagreement (a gold answer rejected or a wrong one accepted), 2 when
+    no record is left, else 0."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -461,3 +470,5 @@ def verify_rewards(
             table.add_row(str(p.metadata.get("index")), kind, gold[:40], completion.strip()[:60], f"{score:g}")
         Console().print(table)
     print(json.dumps(result.summary()), flush=True)
+    if result.disagreements:
+        raise typer.Exit(1)

@@ -10,11 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from astraflow.launched import EXIT_COLLAPSED
+from scripts.bench_stability import COLLAPSED_BELOW
 from tests.producers.bad_prompts import BAD_LINES, GOOD_LINES, write_bad_prompt_file
 from topics.bus import connect, read_topic
 from topics.codec import decode
 from topics.names import TopicNames
 from topics.schemas import Prompt
+from trainer.checkpoint import load_checkpoint
+from trainer.collapse import WINDOW
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,20 +36,24 @@ def summary_of(proc: subprocess.CompletedProcess) -> dict:
     return summary
 
 
+def assert_stayed_learned(s: dict, gain: float) -> None:
+    """The run's end, not its best moment: its last window (``reward_last``, the mean training reward of the last 20%
+    of steps) is ``gain`` above its first, and at least ``COLLAPSED_BELOW`` (0.9) of its best window."""
+    assert s["reward_last"] - s["reward_first"] >= gain, s
+    assert s["reward_last"] >= COLLAPSED_BELOW * s["reward_best"], s
+
+
 @pytest.mark.slow
 @pytest.mark.learning
-def test_arith_tiny_learns_within_ten_minutes(tmp_path):
+def test_arith_tiny_learns_and_stays_learned(tmp_path):
     """On the embedded bus; whole runs on Kafka are test_gsm8k_tiny_through_kafka, the SASL_SSL run of
     tests/e2e/test_secrets.py and the fault tests."""
     run = f"arith{uuid.uuid4().hex[:8]}"
     proc = astraflow("run", "examples/arith-tiny.yaml", f"run={run}", f"run_dir={tmp_path}")
     s = summary_of(proc)
     assert s["run"] == run and s["versions"] == {"actor": s["steps"]} and s["steps"] == 400
-    # last less first: +0.15..+0.27 in 5 runs, and +0.037 in one CI run whose reward fell back in its last 100
-    # steps (peak +0.23); the reward starts near 0.28, and +0.1 at its best is learning that no untrained or
-    # broken update reaches (the fall-back is the example's own instability at lr 5e-4, left open)
-    assert s["reward_best"] - s["reward_first"] >= 0.1, s
-    assert s["wall_s"] <= 600
+    # scripts/bench_stability.py: last less first +0.21..+0.27 over seeds, each run ending within 0.9 of its best
+    assert_stayed_learned(s, 0.12)
     assert (tmp_path / "reward_curve.png").stat().st_size > 1000
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= s["steps"]
     assert {c["exit_code"] for c in json.loads((tmp_path / "components.json").read_text()).values()} == {0}
@@ -58,23 +66,46 @@ def test_arith_tiny_learns_within_ten_minutes(tmp_path):
 @pytest.mark.learning
 def test_search_tiny_learns_with_the_tool_at_its_latency(tmp_path):
     """examples/search-tiny.yaml as shipped: `astraflow run` starts the search server (median 0.3 s, p99 3 s) and
-    the tiny search model learns to search and copy the code it found within 80 of the example's 300 steps.
-    Every component exits 0; the worker's tool calls were real."""
+    the tiny search model learns to search and copy the code it found, and stays learned, over 200 of the
+    example's 300 steps (at the example's former lr 5e-4 the reward fell to 0 for good near step 160, which this
+    test fails: last window 0.02 against a best of 0.74). Every component exits 0; the worker's tool calls were
+    real."""
     run = f"search{uuid.uuid4().hex[:8]}"
     s = summary_of(astraflow("run", "examples/search-tiny.yaml", f"run={run}", f"run_dir={tmp_path}",
-                             "policies.actor.steps=80"))
-    assert s["versions"] == {"actor": 80}, s
-    # last less first over 80 steps: +0.098 to +0.30 in 7 runs, +0.036 in one CI run that peaked mid-way; lr 1e-12
-    # +0.011. A single run's last steps spread too far for the issue's +0.15 (over 300 steps) to hold at 80; the
-    # best window's gain over the first separates learning from a run that does not learn
-    assert s["reward_best"] - s["reward_first"] >= 0.06, s
+                             "policies.actor.steps=200", timeout=1200))
+    assert s["versions"] == {"actor": 200}, s
+    # last less first over 200 steps: +0.43 at lr 2e-4 (scripts/bench_stability.py gives the spread over seeds)
+    assert_stayed_learned(s, 0.2)
     assert {c["exit_code"] for c in json.loads((tmp_path / "components.json").read_text()).values()} == {0}
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # most episodes searched: the worker's last report's calls against its episodes (groups x G 8) then (a count
     # against the 80 x 16 x 8 episodes trained missed the rollouts after the last report: 8785 in one CI run). The
     # policy may learn to answer without a search: one CI run made 8682 calls in 1333 x 8 episodes (0.81 each)
     last = max((m["values"] for m in metrics if m.get("kind") == "raas"), key=lambda v: v.get("groups_total", 0))
-    assert last["tool.search.calls_total"] >= 0.6 * 8 * last["groups_total"] > 0.6 * 8 * 16 * 40, last
+    assert last["tool.search.calls_total"] >= 0.6 * 8 * last["groups_total"] > 0.6 * 8 * 16 * 100, last
+
+
+@pytest.mark.slow
+def test_a_run_whose_reward_collapses_stops_there_and_keeps_its_best_checkpoint(tmp_path):
+    """search-tiny with the trust region taken away (correction tis: with one update per batch its clip never acts)
+    at lr 5e-4: the policy loses the search call's format within ~25 steps and the reward falls from ~0.35 to 0 for
+    good. With stop_on_collapse the trainer says so within a few steps, stops, and the run exits 1 with its summary,
+    the alert in it, and the checkpoint of the best reward window kept."""
+    run = f"collapse{uuid.uuid4().hex[:8]}"
+    proc = astraflow("run", "examples/search-tiny.yaml", f"run={run}", f"run_dir={tmp_path}",
+                     "policies.actor.steps=150", "policies.actor.trainer.correction=tis",
+                     "policies.actor.trainer.lr=5e-4", "policies.actor.checkpoint_every=5",
+                     "policies.actor.stop_on_collapse=true")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "the reward collapsed (trainer.actor, stop_on_collapse)" in proc.stderr, proc.stderr[-3000:]
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert s["stopped_on_collapse"] == ["trainer.actor"] and s["complete"] is False, s
+    assert s["collapses"]["actor"].startswith("reward collapsed at step"), s
+    assert s["steps"] < 150 and s["final_over_best"] < 0.5, s
+    best = load_checkpoint(tmp_path / "trainer.actor" / "best-checkpoint")
+    assert best.version % 5 == 0 and WINDOW <= best.version < s["steps"], (best.version, s)
+    assert (best.model_dir / "config.json").is_file()
+    assert json.loads((tmp_path / "components.json").read_text())["trainer.actor"]["exit_code"] == EXIT_COLLAPSED
 
 
 @pytest.mark.slow
@@ -88,7 +119,7 @@ def test_arith_tiny_learns_on_two_trainer_ranks(tmp_path):
     s = summary_of(astraflow("run", "examples/arith-tiny.yaml", f"run={run}", f"run_dir={tmp_path}",
                              "policies.actor.steps=150", "policies.actor.trainer.ranks=2"))
     assert s["versions"] == {"actor": 150}, s
-    assert s["reward_best"] - s["reward_first"] >= 0.1, s
+    assert_stayed_learned(s, 0.1)
     assert {c["exit_code"] for c in json.loads((tmp_path / "components.json").read_text()).values()} == {0}
     log = (tmp_path / "logs" / "trainer.actor.log").read_text()
     assert "rank 1 done" in log and "is gone" not in log
@@ -105,10 +136,8 @@ def test_arith_tiny_learns_with_every_rollout_on_vllm(tmp_path):
     s = summary_of(astraflow("run", "examples/arith-tiny-vllm.yaml", f"run={run}", f"run_dir={tmp_path}",
                              timeout=1500))
     assert s["versions"] == {"actor": 200}, s
-    # last less first: +0.244 when first measured, +0.136 in a CI run of 2026-12-03 on 2 loaded cores (200 steps:
-    # one run spreads by about +-0.05 around a gain of ~0.2); the best window's +0.10 still separates learning from
-    # the ~0 of a run that does not
-    assert s["reward_best"] - s["reward_first"] >= 0.10, s
+    # last less first: +0.14..+0.24 (200 steps: one run spreads by about +-0.05 around a gain of ~0.2)
+    assert_stayed_learned(s, 0.1)
     components = json.loads((tmp_path / "components.json").read_text())
     assert components["vllm.actor"]["exit_code"] == 0 and components["raas-0"]["exit_code"] == 0
     log = (tmp_path / "logs" / "raas-0.log").read_text()
