@@ -98,14 +98,16 @@ def trained_batches(bus: Bus, names: TopicNames, policy: str, timeout_s: float =
 class WeightPublisher(Protocol):
     """Anything with ``publish(state_dict, version, samples_consumed)``, ``durable_version`` (the
     newest version stored and announced, None before any), ``newest_stored_version()`` (the newest
-    version in the store, by any process, None before any), ``errors`` (failed publishes) and
-    ``last_publish`` (figures of the newest version published, reported with each step), e.g.
-    ``weights.publisher.Publisher``."""
+    version in the store, by any process, None before any), ``wait(timeout_s)`` (until what was handed is
+    published or failed; False on timeout), ``errors`` (failed publishes) and ``last_publish`` (figures of the
+    newest version published, reported with each step), e.g. ``weights.publisher.Publisher``."""
 
     def publish(self, state_dict: dict[str, torch.Tensor], version: int,
                 samples_consumed: int | None = None) -> Any: ...
 
     def newest_stored_version(self) -> int | None: ...
+
+    def wait(self, timeout_s: float | None = None) -> bool: ...
 
     @property
     def durable_version(self) -> int | None: ...
@@ -356,6 +358,7 @@ class TrainerService:
                     break
             if self._pending:
                 self.checkpoint()
+            self._report_durable()
             self._command("stop")
             if self.collapsed is None:
                 self.report_progress(finished=True)
@@ -367,6 +370,19 @@ class TrainerService:
         if self.collapsed is not None:
             summary["collapsed"] = self.collapsed.describe()
         return summary
+
+    def _report_durable(self, timeout_s: float = 120.0) -> None:
+        """Wait up to ``timeout_s`` for the publisher to store and announce what it was handed (it runs behind the
+        steps), then tell ``metrics`` the newest durable version, so that ``status`` after the run reads the final
+        version, not the one the last step's metrics saw. Logged, not raised, when the wait runs out."""
+        if self.publisher is None:
+            return
+        if not self.publisher.wait(timeout_s):
+            log.warning("trainer %s: the publisher had not stored version %d after %.0f s (see its warnings)",
+                        self.config.trainer.policy, self.trainer.version, timeout_s)
+        if self.publisher.durable_version is not None:
+            self.metrics.alert({"durable_version": self.publisher.durable_version, "version": self.trainer.version,
+                                "steps_done": self.steps_done})
 
     def _alert_collapse(self, collapse: Collapse) -> None:
         """Log ``collapse`` and alert it on ``metrics`` (the live view, ``status`` and the exporter show it); with
