@@ -131,8 +131,9 @@ def component_setup(name: str, create_topics: Callable[[], None]) -> threading.E
     """Set up component process ``name``: pin it to the CPUs the launcher placed it on
     (:func:`astraflow.placement.apply_placement`, before anything starts a thread); on SIGUSR1 write every thread's
     stack to the log (:func:`faulthandler.register`); log at INFO under its name; call ``create_topics`` (the run's
-    topics, created if missing, so components can start in any order on any machine); and watch the launcher
-    (:func:`watch_launcher`); and have malloc keep what it frees (:func:`keep_freed_memory`).
+    topics, created if missing, so components can start in any order on any machine); watch the launcher
+    (:func:`watch_launcher`); have malloc keep what it frees (:func:`keep_freed_memory`); and remove the scratch
+    directories that killed processes left in the temp dir (:func:`topics.scratch.sweep_scratch`).
 
     Args:
         name: the component's name, in every log line.
@@ -143,6 +144,7 @@ def component_setup(name: str, create_topics: Callable[[], None]) -> threading.E
         launcher dies.
     """
     from astraflow.placement import apply_placement
+    from topics.scratch import sweep_scratch
 
     placed = apply_placement()  # before anything starts a thread
     keep_freed_memory()  # before the arenas of the threads to come
@@ -152,6 +154,10 @@ def component_setup(name: str, create_topics: Callable[[], None]) -> threading.E
     logging.getLogger("astraflow").info("%s on %s", name, placed)
     create_topics()
     watch_launcher(name, stop)
+    swept = sweep_scratch()
+    if swept:
+        logging.getLogger("astraflow").info("removed %d scratch directories of dead processes: %s", len(swept),
+                                            ", ".join(p.name for p in swept))
     # Everything imported so far (torch, transformers: ~10^6 objects) lives as long as the process: out of the
     # collector's sight, its full collections and the one at exit skip it (1 s of CPU less per exit, measured)
     gc.freeze()

@@ -163,6 +163,23 @@ class WorkflowConfig(_Strict):
                              f"{sorted(WORKFLOWS)})")
         return self
 
+    def check_tools(self, tools: ToolsConfig) -> None:
+        """Check that ``tools`` configures every tool the workflow declares it calls
+        (:attr:`producers.workflows.Workflow.tools`). A workflow not registered is not checked here (building it
+        names it).
+
+        Raises:
+            ValueError: a declared tool ``tools`` lacks, naming the field ``tools.<name>``.
+        """
+        from producers.workflows import WORKFLOWS
+
+        workflow = WORKFLOWS.get(self.name)
+        configured = tools.names()
+        for name in workflow.tools if workflow is not None else ():
+            if name not in configured:
+                raise ValueError(f"tools.{name}: workflow {self.name!r} calls the tool {name!r}, and the config "
+                                 f"does not configure it (configured tools: {sorted(configured) or 'none'})")
+
 
 class RaasConfig(_Strict):
     """Rollout workers."""
@@ -280,6 +297,10 @@ class ToolsConfig(_Strict):
         """The user's own tools, by name."""
         return dict(self.model_extra or {})
 
+    def names(self) -> set[str]:
+        """The names of every tool configured: ``search`` when set, and the user's own."""
+        return ({"search"} if self.search is not None else set()) | set(self.custom())
+
 
 class RolloutPolicyConfig(_Strict):
     """What rollout needs of one trained policy: its model, its engine and how the engine reaches its server, and
@@ -343,3 +364,8 @@ class RaasSection(RunAddress):
     fresh_fraction: dict[str, float] = Field(default_factory=dict, description="per policy, the fraction of each "
                                              "training batch made of fresh groups: 1 - its serving policy's replay "
                                              "ratio (from policies.<p>.serving; a policy not named: 1)")
+
+    @model_validator(mode="after")
+    def _workflow_tools_configured(self) -> "RaasSection":
+        self.workflow.check_tools(self.tools)
+        return self

@@ -23,7 +23,13 @@ import asyncio
 import concurrent.futures
 from typing import Any, Callable
 
-from producers.engines import Engine, Generation, SamplingParams
+from producers.engines import Engine, Generation, GenerationInterrupted, SamplingParams
+
+
+class EngineCallFailed(RuntimeError):
+    """An engine call (:meth:`~producers.engines.Engine.generate`) raised: a failure of the engine (its server
+    gone, an out-of-memory error) that every request of the call shares, not one of any prompt; the engine's own
+    error is its ``__cause__``."""
 
 
 class EngineBatcher:
@@ -71,8 +77,9 @@ class EngineBatcher:
         """One continuation of ``ids`` (token ids, non-empty), sampled in the next engine call.
 
         Raises:
-            Whatever the engine's call raised for the batch it was in (e.g.
-            :class:`~producers.engines.GenerationInterrupted`, ``ValueError`` for an empty prompt).
+            GenerationInterrupted: the engine's call for the batch it was in was interrupted.
+            EngineCallFailed: that call raised anything else (its ``__cause__``, e.g. ``ValueError`` for an
+                empty prompt).
         """
         future = asyncio.get_running_loop().create_future()
         self._pending.append((list(ids), sampling, future))
@@ -123,9 +130,13 @@ class EngineBatcher:
         try:
             gens = await loop.run_in_executor(self.executor, self.engine.generate, [r[0] for r in requests], sampling)
         except BaseException as e:  # noqa: BLE001 - handed to every request of the call
+            error = e
+            if isinstance(e, Exception) and not isinstance(e, GenerationInterrupted):
+                error = EngineCallFailed(f"engine call of {len(requests)} request(s) failed: {type(e).__name__}: {e}")
+                error.__cause__ = e
             for _, _, future in requests:
                 if not future.done():
-                    future.set_exception(e)
+                    future.set_exception(error)
             if not isinstance(e, Exception):
                 raise
         else:

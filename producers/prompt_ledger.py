@@ -8,8 +8,8 @@ those above them; the groups of the latter are written again under the same dete
 ``group_id`` and de-duplicated by the serving stage.
 
 A record that must be dead-lettered behind an open prompt of its partition (a prompt too long for a
-model) is *held* until every prompt below it is done, so that a batch given up and re-delivered
-(:meth:`PromptLedger.rewind`) does not dead-letter it twice.
+model, or one whose rollout failed) is *held* until every prompt below it is done, so that a batch given
+up and re-delivered (:meth:`PromptLedger.rewind`) does not dead-letter it twice.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from topics.bus import Record, TopicPartition
 class _Open:
     record: Record
     held: str = ""  # the dead-letter reason of a held record, '' for a prompt being rolled out
+    kind: str = ""  # what the caller counts a held record as when it dead-letters it
 
 
 class PromptLedger:
@@ -41,10 +42,18 @@ class PromptLedger:
         self._open.setdefault(record.tp, {})[record.offset] = _Open(record)
         self._next[record.tp] = max(self._next.get(record.tp, 0), record.offset + 1)
 
-    def hold(self, record: Record, reason: str) -> None:
-        """Open ``record`` as held: to be dead-lettered with ``reason`` once all below it are done."""
+    def hold(self, record: Record, reason: str, kind: str) -> None:
+        """Open ``record`` as held: to be dead-lettered with ``reason`` once all below it are done (``kind``: what
+        the caller counts it as then)."""
         self.add(record)
-        self._open[record.tp][record.offset].held = reason
+        self.fail(record, reason, kind)
+
+    def fail(self, record: Record, reason: str, kind: str) -> None:
+        """Hold the open ``record`` (its rollout failed): as :meth:`hold`. A record no longer tracked (its
+        partition was rewound or moved away) is ignored."""
+        entry = self._open.get(record.tp, {}).get(record.offset)
+        if entry is not None:
+            entry.held, entry.kind = reason, kind
 
     def blocked(self, record: Record) -> bool:
         """Whether a prompt below ``record`` in its partition is open."""
@@ -63,15 +72,16 @@ class PromptLedger:
         if self._open.get(record.tp, {}).pop(record.offset, None) is not None:
             self._moved.add(record.tp)
 
-    def releasable(self) -> list[tuple[Record, str]]:
-        """The held records with nothing open below them, with their reasons (lowest first per partition):
-        the caller dead-letters each and marks it :meth:`done`."""
+    def releasable(self) -> list[tuple[Record, str, str]]:
+        """The held records with nothing open below them, with their reasons and kinds (lowest first per
+        partition): the caller dead-letters each and marks it :meth:`done`."""
         out = []
         for entries in self._open.values():
             for offset in sorted(entries):
-                if not entries[offset].held:
+                entry = entries[offset]
+                if not entry.held:
                     break
-                out.append((entries[offset].record, entries[offset].held))
+                out.append((entry.record, entry.held, entry.kind))
         return out
 
     def rewind(self) -> dict[TopicPartition, int]:

@@ -15,14 +15,18 @@ New weights are pulled through the Weight Manager's puller in a thread of its ow
 and handed to the engine between batches (:meth:`RaasWorker.sync_weights`).
 Backpressure: it pauses its ``prompts`` partitions while the in-flight groups
 (filter and trainer lag on ``trajectories.<policy>`` and ``samples.<policy>``)
-exceed ``raas.max_inflight_groups`` (see :meth:`RaasWorker.inflight_groups`), or while its weights are more than
-``max_staleness`` versions behind the newest announcement. Commands on ``control`` hold it too: ``pause`` /
-``resume`` and ``throttle`` (prompts per minute), for every worker of the workflow or for one
-(:meth:`RaasWorker.commanded`; ``astraflow control``).
+exceed ``raas.max_inflight_groups`` (see :meth:`RaasWorker.inflight_groups`) or cannot be counted (the bus does not
+answer), or while its weights are more than ``max_staleness`` versions behind the newest announcement. Commands on
+``control`` hold it too: ``pause`` / ``resume`` and ``throttle`` (prompts per minute), for every worker of the
+workflow or for one (:meth:`RaasWorker.commanded`; ``astraflow control``).
 
 A prompt that does not fit a policy's model (its tokens plus ``sampling.max_new_tokens`` over the model's
 ``max_position_embeddings``, see :meth:`RaasWorker.oversize`) is not rolled out: it goes to ``deadletter``
-with the reason (counted as ``too_long_total`` on ``metrics``), and its offset is committed with the batch.
+with the reason (counted as ``too_long_total`` on ``metrics``), and its offset is committed with the batch. So
+does a prompt whose rollout fails, by an error of the workflow or of a tool it calls (a poison prompt: delivered
+again, it would fail again): the dead letter names the prompt and the error, it is counted as
+``rollout_errors_total``, and the worker goes on. A failed engine call
+(:class:`~producers.engine_batcher.EngineCallFailed`) is the engine's failure, not the prompt's: it is raised.
 
 Episodes: the worker is an episode scheduler on an asyncio loop. Each polled prompt starts a rollout task
 (its G samples are episodes of their own, coroutines of the workflow, :mod:`producers.workflows`), and up
@@ -55,7 +59,7 @@ from typing import Callable, Iterator, Mapping
 
 from policies.staleness import staleness, too_stale
 from producers.config import RaasSection, RolloutPolicyConfig, ToolsConfig
-from producers.engine_batcher import EngineBatcher
+from producers.engine_batcher import EngineBatcher, EngineCallFailed
 from producers.engine_sync import EngineSync
 from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, SamplingParams
 from producers.hf_engine import HFEngine
@@ -74,6 +78,9 @@ from weights.puller import Puller, WeightsUnavailable
 from weights.store import WeightStore
 
 log = logging.getLogger(__name__)
+
+#: Seconds between two warnings that a policy's groups in flight cannot be counted (the bus does not answer).
+UNCOUNTED_WARN_EVERY_S = 30.0
 
 
 def make_engine(policy: str, pc: RolloutPolicyConfig, vllm_url: str | None = None) -> Engine:
@@ -161,6 +168,18 @@ def context_length(model_dir: str | Path) -> int | None:
     return getattr(AutoConfig.from_pretrained(model_dir).get_text_config(), "max_position_embeddings", None)
 
 
+def _caused_by(error: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
+    """Whether ``error``, or an error it was raised from or while handling (its ``__cause__`` / ``__context__``
+    chain), is one of ``kinds``."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kinds):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def fresh_per_version(cfg: RaasSection, policy: str) -> int:
     """The fresh groups ``policy``'s trainer takes a version, given RaaS's config section ``cfg``:
     ``round(batch_groups x fresh_fraction)``, at least 1 (the rest of a batch is replayed)."""
@@ -218,9 +237,10 @@ class RaasWorker:
         self.prompts = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, Prompt)
         self.paused_reason = ""
         self.held_by_control = ""  # "pause" or "throttle" while a command on control holds this worker
-        self.totals = {"prompts": 0, "groups": 0, "tokens": 0, "too_long": 0}
+        self.totals = {"prompts": 0, "groups": 0, "tokens": 0, "too_long": 0, "rollout_errors": 0}
         self._last_metric = 0.0
         self._backpressure_s = 0.0  # seconds held by backpressure since the last metric
+        self._uncounted: dict[str, tuple[float, float]] = {}  # policy -> (since, last warned): its in-flight unknown
         self._state_since = time.monotonic()  # when paused_reason / held_by_control were last set
         # the episode scheduler: its loop runs while step() does; tools and rewards block on its own threads
         self.loop = asyncio.new_event_loop()
@@ -334,7 +354,7 @@ class RaasWorker:
         Kafka, the transaction marker after a partition's last record adds one per partition.
 
         Raises:
-            BusError: the topics do not exist yet.
+            BusError: the bus did not answer, or the topics do not exist.
         """
         progress = self.progress.latest.get(f"trainer.{policy}")
         if progress is not None and (progress.finished or progress.at_barrier):
@@ -398,7 +418,9 @@ class RaasWorker:
         version (the groups in flight are trained first); or a batch (``raas.batch_prompts`` groups) on top
         of the groups in flight would pass :meth:`inflight_limit` (a worker with nothing in flight always rolls
         out). The groups in flight count those this worker is rolling out now (its prompts in flight). A policy
-        whose trainer has finished, or waits at a barrier for its peers, holds nothing back.
+        whose trainer has finished, or waits at a barrier for its peers, holds nothing back. Groups in flight that
+        cannot be counted (:meth:`inflight_groups` raised a bus error) are as many as the limit: the worker stays
+        paused until the bus answers (see :meth:`_uncounted_reason` for what is logged).
         The staleness rule is :func:`policies.staleness.too_stale`, the serving stage's.
         """
         self.progress.poll()
@@ -410,8 +432,12 @@ class RaasWorker:
         for p in self.policies:
             try:
                 counted = self.inflight_groups(p)
-            except BusError:
-                continue  # topics not created yet: nothing in flight
+            except BusError as e:
+                return self._uncounted_reason(p, e)
+            uncounted = self._uncounted.pop(p, None)
+            if uncounted is not None:
+                log.info("%s: the groups of %s in flight are counted again, after %.0f s", self.id, p,
+                         time.monotonic() - uncounted[0])
             if counted is None:
                 continue  # its trainer finished or waits at a barrier: it holds nothing back
             inflight, version = counted
@@ -436,6 +462,18 @@ class RaasWorker:
                 return (f"{inflight} groups of {p} in flight, and a batch of {batch} more would pass its limit "
                         f"{self.inflight_limit(p)}")
         return ""
+
+    def _uncounted_reason(self, policy: str, error: BusError) -> str:
+        """The pause reason while ``policy``'s groups in flight cannot be counted because of ``error``; warns
+        when that starts and then at most every :data:`UNCOUNTED_WARN_EVERY_S` seconds while it lasts."""
+        now = time.monotonic()
+        since, warned = self._uncounted.get(policy, (now, None))
+        if warned is None or now - warned >= UNCOUNTED_WARN_EVERY_S:
+            log.warning("%s: paused: cannot count the groups of %s in flight for %.0f s (%s); waiting for the bus",
+                        self.id, policy, now - since, error)
+            warned = now
+        self._uncounted[policy] = (since, warned)
+        return f"the groups of {policy} in flight cannot be counted: the bus does not answer"
 
     # -- rollout ---------------------------------------------------------------------------
     def oversize(self, prompt: Prompt) -> str:
@@ -471,11 +509,12 @@ class RaasWorker:
             out.append(g)
         return out
 
-    def _dead_letter(self, record: Record, reason: str) -> None:
-        """Send ``record`` (a prompt too long for a policy) to ``deadletter`` with ``reason`` (not flushed)."""
+    def _dead_letter(self, record: Record, reason: str, kind: str) -> None:
+        """Send ``record`` (a prompt too long for a policy, or whose rollout failed) to ``deadletter`` with
+        ``reason`` (not flushed), and count it in :attr:`totals` under ``kind`` (``too_long``, ``rollout_errors``)."""
         log.warning("%s: dead-lettering %s[%d]@%d: %s", self.id, record.topic, record.partition, record.offset, reason)
         send_to_deadletter(self.producer, self.names.deadletter, record, reason, self.consumer.group)
-        self.totals["too_long"] += 1
+        self.totals[kind] += 1
 
     @property
     def episodes_inflight(self) -> int:
@@ -489,9 +528,10 @@ class RaasWorker:
         tick passes), write what finished, flush, commit.
 
         New prompts are polled (at most ``raas.batch_prompts`` a tick) while fewer than ``raas.max_episodes``
-        samples are in flight and nothing holds the worker. A prompt too long for a model (:meth:`oversize`)
-        is dead-lettered, at once when nothing below it in its partition is open, else once everything
-        below it is done (so that a rewound partition does not dead-letter it twice).
+        samples are in flight and nothing holds the worker. A prompt too long for a model (:meth:`oversize`),
+        or whose rollout raised (the workflow's error or a tool's, not an engine call's), is dead-lettered, at
+        once when nothing below it in its partition is open, else once everything below it is done (so that a
+        rewound partition does not dead-letter it twice).
 
         Args:
             stop: the worker's stop event (also every engine's ``interrupt``). When an engine call is
@@ -502,6 +542,9 @@ class RaasWorker:
 
         Returns:
             Prompts whose groups were written in this tick (dead-lettered ones are not counted).
+
+        Raises:
+            EngineCallFailed: an engine call failed (the engine's error is its cause).
         """
         return self.loop.run_until_complete(self._tick(stop))
 
@@ -540,8 +583,8 @@ class RaasWorker:
                                          return_when=asyncio.FIRST_COMPLETED)
             await asyncio.sleep(0)  # the episodes resumed by the same engine call finish too
             rolled = self._settle()
-        for record, reason in self.ledger.releasable():
-            self._dead_letter(record, reason)
+        for record, reason, kind in self.ledger.releasable():
+            self._dead_letter(record, reason, kind)
             self.ledger.done(record)
         self._commit_ready()
         self.totals["prompts"] += rolled
@@ -559,27 +602,40 @@ class RaasWorker:
                 self.episodes[task] = [record, prompt.n_samples]
                 started += 1
             elif self.ledger.blocked(record):
-                self.ledger.hold(record, too_long)
+                self.ledger.hold(record, too_long, "too_long")
             else:  # dead-lettered, flushed before the commit
-                self._dead_letter(record, too_long)
+                self._dead_letter(record, too_long, "too_long")
         if started:
             self._last_batch = (time.monotonic(), started)
 
-    async def _rollout(self, record: Record, prompt: Prompt) -> None:
-        """Roll ``prompt`` out (its G episodes concurrently) and write its groups (not flushed)."""
+    async def _rollout(self, record: Record, prompt: Prompt) -> bool:
+        """Roll ``prompt`` out (its G episodes concurrently) and write its groups (not flushed): True. When the
+        workflow or a tool raises, the prompt is held in the ledger for ``deadletter`` instead, with the error:
+        False. An interrupted or failed engine call is raised."""
         entry = self.episodes[asyncio.current_task()]
 
         def ended() -> None:
             entry[1] = max(0, entry[1] - 1)
 
         episode_ended.set(ended)  # in this task's context: its episodes' tasks inherit it
-        groups = await self.workflow.rollout(prompt, self.batchers, self.sampling, self.tools)
+        try:
+            groups = await self.workflow.rollout(prompt, self.batchers, self.sampling, self.tools)
+        except Exception as error:
+            if _caused_by(error, (GenerationInterrupted, EngineCallFailed)):
+                raise
+            reason = (f"prompt {prompt.prompt_id} ({prompt.source}): the rollout of workflow "
+                      f"{self.cfg.workflow.name!r} failed: {type(error).__name__}: {error}")
+            log.warning("%s: %s", self.id, reason, exc_info=error)
+            self.ledger.fail(record, reason, "rollout_errors")
+            return False
         self.write(groups)
         self.ledger.done(record)
+        return True
 
     def _settle(self) -> int:
         """Collect the rollout tasks that ended: the prompts written. An interrupted engine call (a stop)
-        cancels every episode in flight and rewinds the ledger (:meth:`step`); any other error is raised."""
+        cancels every episode in flight and rewinds the ledger (:meth:`step`); any other error (a failed engine
+        call, a failed write: a prompt's own failure is not raised, :meth:`_rollout`) is raised."""
         rolled, interrupted = 0, False
         for task in [t for t in self.episodes if t.done()]:
             del self.episodes[task]
@@ -587,7 +643,7 @@ class RaasWorker:
                 continue
             error = task.exception()
             if error is None:
-                rolled += 1
+                rolled += task.result()
             elif isinstance(error, GenerationInterrupted):
                 interrupted = True
             else:

@@ -12,7 +12,8 @@ UTS, mount and cgroup namespaces (``--unshare-all``) that
   ``/usr/lib64``, the loader cache, time zones): not ``/root``, ``/home``, the
   repository, the run directory nor the caller's temp files;
 - may write only to a fresh private directory, ``/sandbox`` inside (its cwd,
-  ``HOME`` and ``TMPDIR``), deleted afterwards, and to a private 1 MiB
+  ``HOME`` and ``TMPDIR``), deleted afterwards (a :class:`~topics.scratch.ScratchDir`: one left by a killed
+  caller is swept when a component starts), and to a private 1 MiB
   ``/dev/shm``; ``/dev`` is bwrap's minimal one (``null``, ``zero``,
   ``urandom``, ...), read-only like every other path;
 - get their own ``/proc`` (the sandbox's pid 1 is bwrap's reaper), a cleared
@@ -71,6 +72,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from topics.scratch import ScratchDir
 
 #: Exit code of a child stopped for a refused operation.
 VIOLATION_EXIT = 86
@@ -487,7 +490,8 @@ def _run_bwrap(setup: _Bwrap, code: str, limits: SandboxLimits, stdin: bytes) ->
         SandboxError: bwrap could not build the sandbox (the bootstrap never started).
         OSError: no temp directory or pipe.
     """
-    root = Path(tempfile.mkdtemp(prefix="astraflow-sandbox-"))
+    scratch = ScratchDir("sandbox")  # swept at the next component start if this process is killed
+    root = scratch.path
     uid: int | None = None
     survivors: list[int] = []
     try:
@@ -566,7 +570,7 @@ def _run_bwrap(setup: _Bwrap, code: str, limits: SandboxLimits, stdin: bytes) ->
             result = _with_error(result, f"{len(survivors)} sandbox process(es) survived the kill: {survivors}")
         return result
     finally:
-        _rmtree(root)
+        scratch.remove()
         if uid is not None and not survivors:
             _release_uid(uid)  # a uid with survivors is never reused in this process
 
@@ -583,7 +587,8 @@ def _run_audit_hook(code: str, limits: SandboxLimits, stdin: bytes) -> SandboxRe
         SandboxError: the interpreter did not reach the untrusted code.
         OSError: no temp directory or pipe.
     """
-    root = Path(tempfile.mkdtemp(prefix="astraflow-sandbox-"))
+    scratch = ScratchDir("sandbox")  # swept at the next component start if this process is killed
+    root = scratch.path
     try:
         prog = root / "main.py"
         prog.write_text(code, encoding="utf-8")
@@ -623,7 +628,7 @@ def _run_audit_hook(code: str, limits: SandboxLimits, stdin: bytes) -> SandboxRe
                                f"{stderr.strip()[-500:] or 'no message'}")
         return _result(proc.returncode, timed_out, wall, stdout, stderr, limits, "audit-hook")
     finally:
-        _rmtree(root)
+        scratch.remove()
 
 
 # ---------------------------------------------------------------- shared
@@ -675,19 +680,6 @@ def _tail(f: IO[bytes]) -> str:
         return f.read().decode("utf-8", "replace")[-TAIL_CHARS:]
     except OSError:
         return ""
-
-
-def _rmtree(root: Path) -> None:
-    """Delete a sandbox directory, even one whose subdirectories the code made unreadable (symlinks not followed)."""
-    shutil.rmtree(root, ignore_errors=True)
-    if root.exists():
-        for dirpath, dirnames, _ in os.walk(root):
-            for d in dirnames:
-                try:
-                    os.chmod(os.path.join(dirpath, d), 0o700, follow_symlinks=False)
-                except OSError:
-                    pass
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _result(rc: int | None, timed_out: bool, wall: float, stdout: str, stderr: str, limits: SandboxLimits,

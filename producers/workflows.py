@@ -169,6 +169,7 @@ class Workflow(abc.ABC):
         Raises:
             KeyError: no engine for a policy this workflow needs, or no tool it calls.
             GenerationInterrupted: an engine call was interrupted (the whole rollout is dropped).
+            EngineCallFailed: an engine call failed (:class:`~producers.engine_batcher.EngineCallFailed`).
         """
 
     def run(self, prompt: Prompt, engines: Mapping[str, Engine], sampling: SamplingParams,
@@ -218,7 +219,12 @@ episode_ended: contextvars.ContextVar[Callable[[], None] | None] = contextvars.C
 
 async def gather_episodes(episodes: list[Awaitable[Any]]) -> list[Any]:
     """:func:`asyncio.gather` of one prompt's episodes (results in order), telling the scheduler as each
-    ends (:data:`episode_ended`, when set). An error in one is raised, as by ``gather``."""
+    ends (:data:`episode_ended`, when set).
+
+    Raises:
+        The first error of an episode, once the others are cancelled (the prompt's rollout has failed: they
+        would hold engine and tool time for nothing).
+    """
     ended = episode_ended.get()
 
     async def episode(aw: Awaitable[Any]) -> Any:
@@ -228,7 +234,13 @@ async def gather_episodes(episodes: list[Awaitable[Any]]) -> list[Any]:
             if ended is not None:
                 ended()
 
-    return list(await asyncio.gather(*(episode(aw) for aw in episodes)))
+    tasks = [asyncio.ensure_future(episode(aw)) for aw in episodes]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
 
 
 async def rewards_of(prompt: Prompt, completions: list[str]) -> list[float]:

@@ -36,10 +36,8 @@ fired.
 from __future__ import annotations
 
 import logging
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -49,6 +47,7 @@ from topics.bus import Bus
 from topics.codec import encode, headers_for
 from topics.names import TopicNames
 from topics.schemas import WeightAnnouncement
+from topics.scratch import ScratchDir
 from weights.codec import encode_delta, save_full, state_sha256, warm_kernels
 from weights.store import ObjectExists, StoreError, StoreUnavailable, WeightStore
 
@@ -308,8 +307,8 @@ class Publisher:
             key, size = self.store.key(self.policy, version, "delta"), len(delta.data)
         else:
             key = self.store.key(self.policy, version, "full")
-            with tempfile.TemporaryDirectory(prefix="astraflow-full-") as tmp:
-                path = Path(tmp) / "full.safetensors"
+            with ScratchDir("full") as tmp:  # swept at the next component start if this process is killed
+                path = tmp / "full.safetensors"
                 save_full(buf, path, version=version, sha256=sha)
                 size = path.stat().st_size
                 self._put(key, path)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from topics.bus import Bus
 from topics.follow import Follower
 from topics.names import TopicNames
 from topics.schemas import WeightAnnouncement
+from topics.scratch import ScratchDir
 from weights.codec import (PREFIX_BYTES, BaseMismatch, WeightFormatError, apply_delta, load_full, read_prefix,
                            state_sha256)
 from weights.store import ObjectMissing, StoreError, StoredObject, WeightStore
@@ -272,8 +272,8 @@ class Puller:
             if self.changed is not None:
                 self.changed |= {t["name"] for t in hdr.tensors if t["count"]}
             return
-        with tempfile.TemporaryDirectory(prefix="astraflow-pull-") as tmp:
-            path = Path(tmp) / "full.safetensors"
+        with ScratchDir("pull") as tmp:  # swept at the next component start if this process is killed
+            path = tmp / "full.safetensors"
             self._fetch(step.obj.key, path=path, size=step.obj.size)
             state, version, sha = load_full(path, self.state, expect_sha256=expect_sha)
             if version != step.version:

@@ -6,17 +6,17 @@ from astraflow.placement import check_placement
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Check what the config names before any process starts: the workflow and its options, the data
-    sources, the curators, each policy's filter chain, serving policies and model directory, the packages of the
-    tracking sinks, the placement's CPUs, and the scaling controller's actuator (its compose file or Kubernetes
-    credentials; the bus is checked by the caller).
+    """Check what the config names before any process starts: the workflow, its options and the tools it calls
+    (each configured under ``tools``), the data sources, the curators, each policy's filter chain, serving
+    policies and model directory, the packages of the tracking sinks, the placement's CPUs, and the scaling
+    controller's actuator (its compose file or Kubernetes credentials; the bus is checked by the caller).
 
     Raises:
         KeyError, ValueError, TypeError: an unknown workflow, role, option or filter (the message lists the known ones);
             a placement on CPUs this machine lacks (:class:`~astraflow.config.ConfigError`, a ValueError); a
             controller's compose file that does not exist, or no Kubernetes credentials for it.
         ValueError: a weight store URI that is not file:///abs/dir or s3://bucket/prefix; a trainer on CUDA where
-            torch sees none.
+            torch sees none; a tool the workflow calls that ``tools`` lacks (naming ``tools.<name>``).
         producers.sources.SourceError: a data source that is neither built in nor a readable dataset.
         FileNotFoundError: a model directory that does not exist.
         astraflow.tracker.TrackingUnavailable: a tracking sink is set and its package is not installed.
@@ -35,6 +35,7 @@ def preflight(cfg: RunConfig) -> None:
     except StoreError as e:
         raise ValueError(f"store: {e}") from None
     get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None, **cfg.workflow.options)
+    cfg.workflow.check_tools(cfg.tools)
     for src in cfg.data.sources:
         load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed)
     try:

@@ -1,11 +1,15 @@
 """RaaS backpressure, per policy: a worker stops at raas.max_inflight_groups groups waiting for the
 filter and trainer (all of them while the trainer has reported and committed nothing), resumes by exactly what the
 trainer reports it has consumed (its weight announcement, or its progress heartbeat without a new version), and a
-finished trainer holds nothing."""
+finished trainer holds nothing. While the groups in flight cannot be counted (a bus error), the worker stays paused
+until the bus answers."""
+import logging
+
 from policies.config import policy_spec
 from policies.processor import FilterProcessor
 from policies.registry import build_chain
 from raas_rig import acquired_run, publish_model, reported, run_config
+from topics.layout import ensure_run_topics
 from weights.publisher import Publisher
 from weights.store import WeightStore
 
@@ -109,3 +113,36 @@ def test_a_batch_that_would_be_trained_too_stale_is_not_rolled_out(tmp_path, bus
     finally:
         worker.close()
 
+
+
+def test_a_bus_error_counting_the_groups_in_flight_keeps_the_worker_paused_until_the_bus_answers(tmp_path,
+                                                                                                tiny_model_dir,
+                                                                                                caplog):
+    """``samples.actor`` is deleted under the worker: the trainer's position cannot be read, so the groups in
+    flight are unknown. The worker rolls nothing out and warns once (not at every tick); once the topic is back,
+    it says so and rolls every prompt out."""
+    run = acquired_run(run_config(tmp_path, f"local://{tmp_path / 'bus'}", tiny_model_dir, prompts=12,
+                                  max_inflight_groups=100), 2)
+    worker, produced = run.worker(), run.produced
+    samples = run.names.samples("actor")
+    try:
+        run.bus.admin().delete_topic(samples)
+        with caplog.at_level(logging.INFO, logger="producers.raas"):
+            for _ in range(15):
+                worker.step()
+            assert produced() == 0 and not worker.episodes
+            assert worker.paused_reason == "the groups of actor in flight cannot be counted: the bus does not answer"
+            assert sum(run.bus.admin().group_lag(run.names.raas_group("single_turn"), run.names.prompts).values()) == 12
+            warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert warned == [f"raas-0: paused: cannot count the groups of actor in flight for 0 s (topic {samples!r} "
+                              "does not exist); waiting for the bus"]
+            ensure_run_topics(run.bus.admin(), run.names, ["actor"], partitions=2)
+            for _ in range(60):
+                worker.step()
+                if produced() == 12:
+                    break
+        assert produced() == 12 and worker.paused_reason == ""
+        assert any(r.getMessage().startswith("raas-0: the groups of actor in flight are counted again, after ")
+                   for r in caplog.records)
+    finally:
+        worker.close()

@@ -3,8 +3,9 @@ still yields exactly one accepted group downstream (de-duplicated by group_id). 
 mid-batch within seconds, committing exactly the prompts it wrote groups for. A prompt too long for
 the model goes to deadletter and the worker moves past it. Prompts in flight together share one generate
 call, writing the groups a rollout per prompt writes; an interrupted one writes and commits nothing. A reward that
-raises scores 0.0 and is counted in the worker's metrics. Closing a worker takes tools with a synchronous or an
-async close, and one close that raises does not stop the rest."""
+raises scores 0.0 and is counted in the worker's metrics. A prompt whose workflow or tool raises is dead-lettered and
+the worker goes on; a failed engine call is raised, the prompt left for redelivery. Closing a worker takes tools
+with a synchronous or an async close, and one close that raises does not stop the rest."""
 import asyncio
 import datetime
 import json
@@ -24,8 +25,10 @@ import pytest
 from astraflow.config import load_config
 from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
+from producers.engine_batcher import EngineCallFailed
 from producers.engines import SamplingParams
 from producers.rewards import register_reward, reward_errors
+from producers.workflows import SingleTurn, gather_episodes, register_workflow
 from raas_rig import reported
 from topics.bus import connect, read_topic
 from topics.codec import decode, encode, headers_for
@@ -315,9 +318,9 @@ raas: {{batch_prompts: 8}}
         worker.close()
 
 
-def small_run(tmp_path, tiny_model_dir):
-    """A run on the local bus (tiny model, 2 samples of 2 tokens, one partition) with its topics created:
-    (config, topic names, bus)."""
+def small_run(tmp_path, tiny_model_dir, workflow="single_turn"):
+    """A run of ``workflow`` on the local bus (tiny model, 2 samples of 2 tokens, one partition) with its topics
+    created: (config, topic names, bus)."""
     path = tmp_path / "run.yaml"
     path.write_text(f"""
 run: small{uuid.uuid4().hex[:8]}
@@ -325,6 +328,7 @@ run_dir: {tmp_path / 'run'}
 bus: local://{tmp_path / 'bus'}
 policies:
   actor: {{model: {tiny_model_dir}}}
+workflow: {{name: {workflow}}}
 data: {{sources: [{{name: arith, limit: 2}}], n_samples: 2}}
 sampling: {{max_new_tokens: 2}}
 """)
@@ -367,6 +371,89 @@ def test_a_reward_that_raises_scores_zero_and_the_worker_reports_it(tmp_path, ti
     assert sorted(r.getMessage() for r in caplog.records) == [
         f"reward {reward!r} failed on prompt p{i}, scored 0.0: LookupError: no gold answer for p{i}"
         for i in (0, 0, 1, 1)]
+
+
+class FaultyRollout(SingleTurn):
+    """``single_turn``, but a prompt whose metadata names a ``fault`` fails: ``workflow`` raises in the workflow
+    once its samples are generated; ``tool`` runs its episodes through the ``probe`` tool (:class:`ResettingTool`,
+    which raises) while the others wait a minute on a tool call."""
+
+    async def rollout(self, prompt, engines, sampling, tools):
+        fault = prompt.metadata.get("fault")
+        if fault == "tool":
+            await gather_episodes([tools["probe"](prompt.text),
+                                   *(asyncio.sleep(60) for _ in range(prompt.n_samples - 1))])
+        groups = await super().rollout(prompt, engines, sampling, tools)
+        if fault == "workflow":
+            raise ValueError(f"cannot parse the answer of {prompt.prompt_id}")
+        return groups
+
+
+class ResettingTool:
+    """A tool that breaks its contract (a failed call is an answer): it raises on every call."""
+
+    async def __call__(self, query: str) -> str:
+        raise ConnectionResetError(f"the probe server reset the connection on {query!r}")
+
+
+def test_a_prompt_whose_workflow_or_tool_raises_is_dead_lettered_and_the_worker_goes_on(tmp_path, tiny_model_dir):
+    """Of four prompts in one partition, the workflow raises on the second and a tool on the third: each goes to
+    deadletter naming the prompt and the error, is counted, and is committed as handled; the other two are
+    written, and nothing of the failed prompts is left running (its sibling episodes are cancelled)."""
+    workflow = f"faulty_{uuid.uuid4().hex[:8]}"  # a fresh name: test_agentic imports this module again
+    register_workflow(workflow)(FaultyRollout)
+    cfg, names, bus = small_run(tmp_path, tiny_model_dir, workflow)
+    producer = bus.producer()
+    faults = [None, "workflow", "tool", None]
+    for i, fault in enumerate(faults):
+        p = Prompt(prompt_id=f"p{i}", source="test", task_type="arith", text=f"{i}+1=", answer=str(i + 1),
+                   n_samples=2, metadata={"fault": fault} if fault else {})
+        producer.send(names.prompts, encode(p), key=p.prompt_id, headers=headers_for(p))
+    producer.flush()
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
+    worker.tools["probe"] = ResettingTool()
+    group = names.raas_group(workflow)
+    try:
+        deadline = time.monotonic() + 120
+        while (bus.admin().group_offsets(group, names.prompts).get(0) or 0) < 4:
+            assert time.monotonic() < deadline, "the worker did not get past the failing prompts"
+            worker.step()
+        assert not worker.episodes and not [t for t in asyncio.all_tasks(worker.loop) if not t.done()]
+        shown = reported(worker)
+    finally:
+        worker.close()
+    assert sorted(g.prompt_id for g in read_all(bus, names.trajectories("actor"))) == ["p0", "p3"]
+    letters = [decode(r.value, DeadLetter) for r in read_topic(bus, names.deadletter)]
+    assert [(decode(x.value, Prompt).prompt_id, x.offset, x.topic, x.consumer_group) for x in letters] == [
+        ("p1", 1, names.prompts, group), ("p2", 2, names.prompts, group)]
+    assert [x.error for x in letters] == [
+        f"prompt p1 (test): the rollout of workflow {workflow!r} failed: ValueError: cannot parse the answer of p1",
+        f"prompt p2 (test): the rollout of workflow {workflow!r} failed: ConnectionResetError: the probe server "
+        "reset the connection on '2+1='"]
+    assert worker.totals["rollout_errors"] == 2 and worker.totals["prompts"] == 2
+    assert shown["rollout_errors_total"] == 2.0
+
+
+def test_a_failed_engine_call_is_raised_and_the_prompt_left_for_redelivery(tmp_path, tiny_model_dir):
+    """The engine's thread is gone (its executor shut down): the call fails for every prompt in it, which is the
+    engine's failure, not a prompt's. The worker raises it (its supervisor restarts it), dead-letters nothing and
+    commits nothing."""
+    cfg, names, bus = small_run(tmp_path, tiny_model_dir)
+    producer = bus.producer()
+    p = Prompt(prompt_id="p0", source="test", task_type="arith", text="1+1=", answer="2", n_samples=2)
+    producer.send(names.prompts, encode(p), key=p.prompt_id, headers=headers_for(p))
+    producer.flush()
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
+    worker.batchers["actor"].executor.shutdown()
+    try:
+        deadline = time.monotonic() + 60
+        with pytest.raises(EngineCallFailed, match="RuntimeError: cannot schedule new futures after shutdown"):
+            while time.monotonic() < deadline:
+                worker.step()
+    finally:
+        worker.close()
+    assert read_topic(bus, names.deadletter) == [] and worker.totals["rollout_errors"] == 0
+    assert bus.admin().group_offsets(names.raas_group("single_turn"), names.prompts).get(0) is None
 
 
 class ClosingTool:
