@@ -84,7 +84,8 @@ def test_a_run_whose_data_runs_out_before_its_steps_says_so_and_exits_non_zero(t
     # 20 prompts x G=16 make one batch of 16 groups and 4 left over; step 2 never comes. On Kafka, where a new
     # reader's first polls return nothing: the trainer's progress is read to the end of control at the first look.
     run_dir = tmp_path / "run"
-    start = time.monotonic()
+    # The run ends by itself: it has no max_wall_s, so one the verdict did not end would run on into this timeout
+    # (TimeoutExpired); how soon the verdict came is the stall's figure, below, not the run's wall time
     proc = subprocess.run([sys.executable, "-m", "astraflow", "run", "examples/arith-tiny.yaml",
                            f"run=dry{uuid.uuid4().hex[:8]}", f"run_dir={run_dir}", f"bus={kafka_url}",
                            "data.sources=[{name: arith, limit: 20}]", "data.epochs=1", "policies.actor.steps=5",
@@ -98,7 +99,6 @@ def test_a_run_whose_data_runs_out_before_its_steps_says_so_and_exits_non_zero(t
     assert told, proc.stderr[-2000:]
     # told at the watchdog's first look after the stall, one period after it began
     assert int(told.group(1)) < 2 * STARVED_WATCHDOG_S, told.group(0)
-    assert time.monotonic() - start < 120
 
 
 @pytest.mark.slow

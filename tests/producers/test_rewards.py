@@ -1,14 +1,15 @@
 """Reward functions, the process-pool timeout, the registry and `astraflow verify-rewards`."""
 import json
 import logging
+import os
 import time
 
 import pytest
 from typer.testing import CliRunner
 
 from astraflow.cli import app
-from producers.rewards import (RewardError, perturb_answer, register_reward, reward_errors, score, score_many,
-                               score_pairs)
+from producers.rewards import (RewardError, perturb_answer, pool_workers, register_reward, reward_errors, score,
+                               score_many, score_pairs)
 from producers.sources import load_source
 from topics.schemas import Prompt
 
@@ -39,11 +40,31 @@ def hangs(prompt: Prompt, completion: str) -> float:
 register_reward("test_hangs", mode="process")(hangs)
 
 
+def worker_pid(prompt: Prompt, completion: str) -> float:
+    """A reward that scores the pid of the pool worker that ran it, after a moment (so that a second item goes
+    to another worker, when one is ready)."""
+    time.sleep(0.2)
+    return float(os.getpid())
+
+
+register_reward("test_worker_pid", mode="process")(worker_pid)
+
+
+def all_pool_workers_started(deadline_s: float = 300.0) -> None:
+    """Wait until every worker of the reward process pool has answered (spawned and warmed: ~25 s on a busy 2-core
+    machine), so that what a test times next is not the pool's start-up."""
+    probe, deadline = math_prompt("0", reward="test_worker_pid"), time.monotonic() + deadline_s
+    while len(set(score_pairs([(probe, "x")] * pool_workers(), timeout_s=60))) < pool_workers():
+        assert time.monotonic() < deadline, "the reward pool's workers did not all start"
+
+
 def test_a_hung_process_reward_scores_zero_and_the_pool_recovers(caplog):
+    all_pool_workers_started()
     start, before = time.monotonic(), reward_errors().get("test_hangs", 0)
     stuck = math_prompt("1", reward="test_hangs")
     with caplog.at_level(logging.WARNING, logger="producers.rewards"):
         assert score_pairs([(stuck, "x"), (math_prompt("2"), "\\boxed{2}")], timeout_s=2) == [0.0, 1.0]
+    # given up at its 2 s timeout (~2.5-5 s in all), not after the reward's 3600 s hang
     assert time.monotonic() - start < 60
     assert reward_errors()["test_hangs"] == before + 1
     assert [r.getMessage() for r in caplog.records] == [

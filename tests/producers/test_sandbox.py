@@ -22,7 +22,9 @@ def test_good_code_passes_and_may_use_its_temp_dir():
 def test_infinite_loop_is_stopped_and_scores_zero(monkeypatch):
     r = run_python("while True:\n    pass\n", FAST)
     assert not r.passed and r.timed_out
-    assert r.wall_s < FAST.wall_s + 5
+    # stopped by a limit (CPU 1 s or wall 5 s), not left to loop: 20 s of start-up and kill slack, where ~0.5 s is
+    # needed, so that a busy machine cannot miss it
+    assert r.wall_s < FAST.wall_s + 20
     monkeypatch.setattr(rewards, "CODE_LIMITS", FAST)
     assert rewards.score(code_prompt(), "def f():\n    while True:\n        pass\nf()\n") == 0.0
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import statistics
 import subprocess
@@ -12,9 +13,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from pydantic import ValidationError
 
 from astraflow.config import ConfigError, load_config
 from astraflow.launcher.plan import plan_components
+from astraflow.launcher.preflight import ConfigRefused, check_run_config
 from astraflow.launcher.run import Launcher
 from producers.raas import make_tools
 from producers.search_server import Behaviour, SearchServer, fts_query, load_corpus
@@ -104,11 +107,13 @@ def test_latency_draws_are_seeded_log_normal():
 
 
 def test_concurrent_requests_overlap(corpus):
-    n, median = 60, 0.05
-    expected = sorted(d for _, d in (lambda b: [b.draw() for _ in range(n)])(Behaviour(median, 0.2, seed=1)))
+    # Delays long against the event loop's overhead (serving and awaiting 60 requests: 0.02 s in a quiet run,
+    # ~0.05-0.17 s under load), so that each bound below sits between the two by a wide margin
+    n, median, p99 = 60, 0.2, 0.8
+    expected = sorted(d for _, d in (lambda b: [b.draw() for _ in range(n)])(Behaviour(median, p99, seed=1)))
 
     async def main():
-        async with SearchServer(corpus, Behaviour(median, 0.2, seed=1)) as server:
+        async with SearchServer(corpus, Behaviour(median, p99, seed=1)) as server:
             tool = SearchTool(server.url, timeout_s=5.0)
             try:
                 t0 = time.perf_counter()
@@ -120,16 +125,19 @@ def test_concurrent_requests_overlap(corpus):
     wall, answers, tool = asyncio.run(main())
     assert answers == [dict(DOCS)["turing"]] * n
     assert tool.calls == n and sum(tool.errors.values()) == 0
-    assert wall < 0.4 * n * median, f"{n} concurrent requests took {wall:.2f} s: they did not overlap"
+    # one at a time they take at least the sum of the draws (12 s); together the slowest draw (0.67 s) plus overhead
+    serial = sum(expected)
+    assert wall < serial / 3, f"{n} concurrent requests took {wall:.2f} s of {serial:.2f} s: they did not overlap"
     measured = sorted(tool.latencies)
     # the server slept exactly the seed's first n draws: each order statistic of the latencies is at least the draw's
     assert all(m >= e - 0.005 for m, e in zip(measured, expected)), list(zip(measured, expected))[:5]
-    # p50 is the latencies' median: at least the draws' median, and at most 0.15 s above it (the overhead of 60
-    # requests served and awaited in one event loop; measured 0.019-0.022 s in 3 runs here, ~0.05 in a loaded CI run)
+    # p50 is the latencies' median: at least the draws' median (0.15 s), and at most 2 s above it: far above the
+    # overhead (up to ~0.17 s measured under load), far below latencies that counted the wait behind the other
+    # requests (served one at a time, the median request would end 6.7 s in)
     p = tool.percentiles()
     assert p["p50"] == pytest.approx(statistics.median(measured))
     drawn = statistics.median(expected)
-    assert drawn - 0.005 <= p["p50"] < drawn + 0.15, (p["p50"], drawn)
+    assert drawn - 0.005 <= p["p50"] < drawn + 2.0, (p["p50"], drawn)
     assert p["p50"] <= p["p90"] <= p["p99"]
 
 
@@ -155,24 +163,26 @@ def test_faults_become_error_observations(corpus):
     t0 = time.perf_counter()
     text, tool, took = asyncio.run(call(Behaviour(hang=1.0), timeout_s=0.5))
     assert text == "error: search timed out after 0.5 s"
-    assert 0.45 < took < 1.0 and tool.errors["timeout"] == 1 and len(tool.latencies) == 1
-    assert time.perf_counter() - t0 < 4.0  # the server stopped too: the hung request was cancelled
+    # abandoned at its 0.5 s timeout, not after the 3600 s hang (15 s: 30 times the timeout, for a busy machine)
+    assert 0.45 < took < 15.0 and tool.errors["timeout"] == 1 and len(tool.latencies) == 1
+    # the server stopped too, the hung request cancelled (at once, or after SHUTDOWN_S), not waited for 3600 s
+    assert time.perf_counter() - t0 < 30.0
 
 
 def test_killed_server_process_gives_connect_errors(corpus):
     proc = subprocess.Popen([sys.executable, "-m", "astraflow", "search-server", "--corpus", str(corpus),
-                             "--median-s", "1.0", "--p99-s", "1.0"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                             "--median-s", "2.0", "--p99-s", "2.0"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         line = proc.stdout.readline()
         assert line.startswith("search server: serving http://127.0.0.1:") and "(5 documents)" in line, line
         url = line.split()[3]
 
         async def main():
-            tool = SearchTool(url, timeout_s=5.0)
+            tool = SearchTool(url, timeout_s=60.0)  # a dead server is told at once, not by this timeout
             try:
                 assert await tool("Alan Turing") == dict(DOCS)["turing"]
                 in_flight = asyncio.ensure_future(tool("Grace Hopper"))
-                await asyncio.sleep(0.3)  # the server sleeps 1 s on it
+                await asyncio.sleep(0.3)  # the server sleeps 2 s on it
                 proc.send_signal(signal.SIGKILL)
                 t0 = time.perf_counter()
                 cut = await in_flight
@@ -186,8 +196,9 @@ def test_killed_server_process_gives_connect_errors(corpus):
 
         cut, cut_s, refused, refused_s, tool = asyncio.run(main())
         assert proc.wait(5) == -signal.SIGKILL
-        assert cut.startswith(f"error: cannot reach the search server at {url}") and cut_s < 0.5, (cut, cut_s)
-        assert refused.startswith(f"error: cannot reach the search server at {url}") and refused_s < 0.5
+        # both told at once (~ms): 10 s is a busy machine's slack, well under the 60 s timeout they would wait out
+        assert cut.startswith(f"error: cannot reach the search server at {url}") and cut_s < 10, (cut, cut_s)
+        assert refused.startswith(f"error: cannot reach the search server at {url}") and refused_s < 10
         assert "Connect" in refused, refused
         assert tool.calls == 3 and tool.errors == {"timeout": 0, "http": 0, "connect": 2, "garbage": 0}
     finally:
@@ -211,6 +222,21 @@ def test_search_config_is_checked(tmp_path):
     assert _run_config(tmp_path).tools.search is None
     s = _run_config(tmp_path, "tools.search.latency.median_s=0.1", "tools.search.latency.p99_s=0.1").tools.search
     assert (s.url, s.timeout_s, s.top_k, s.faults.hang) == (None, 5.0, 1, 0.0)
+
+
+def test_a_workflow_calling_a_tool_the_config_lacks_is_refused_naming_the_field(tmp_path):
+    """search_agent declares the search tool: a config without tools.search is refused before any process starts
+    (preflight) and by a RaaS worker started by hand (its config section), not by every episode's KeyError."""
+    cfg = _run_config(tmp_path, "workflow.name=search_agent")
+    message = ("tools.search: workflow 'search_agent' calls the tool 'search', and the config does not configure it "
+               "(configured tools: none)")
+    with pytest.raises(ConfigRefused) as refused:
+        check_run_config(cfg)
+    assert str(refused.value) == message
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        cfg.raas_section()
+    cfg = _run_config(tmp_path, "workflow.name=search_agent", "tools.search.url=http://127.0.0.1:1")
+    assert cfg.raas_section().tools.names() == {"search"}
 
 
 def test_launcher_starts_search_and_points_raas_at_it(tmp_path, corpus):

@@ -341,7 +341,8 @@ def test_an_interrupt_aborts_the_running_request_on_the_server(fake, engine):
     t0 = time.monotonic()
     with pytest.raises(GenerationInterrupted, match="aborted"):
         engine.generate([[1, 2], [3]], SamplingParams())
-    assert time.monotonic() - t0 < 5
+    # ended by the abort, ~0.5 s in, not by the 30 s the generation holds it otherwise (15 s: a busy machine's slack)
+    assert time.monotonic() - t0 < 15
     rids = fake.bodies("/generate")[-1]["rid"]
     prefix = fake.bodies("/abort_request")[-1]["rid"]
     assert len(rids) == 2 and all(r.startswith(prefix) for r in rids)  # the server aborts by prefix
@@ -462,7 +463,7 @@ def test_launch_command_and_a_server_that_dies_at_startup(tiny_model_dir, tmp_pa
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="exited with code 3 before answering"):
         SGLangEngine(tiny_model_dir, launcher=dying, startup_timeout_s=60)
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 30  # told at its exit (~0.1-1 s), not after the 60 s start-up timeout
 
 
 def test_config_sglang_section_reaches_the_engine(tmp_path, monkeypatch):

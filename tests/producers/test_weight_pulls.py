@@ -92,19 +92,24 @@ def test_rollout_goes_on_while_the_store_hangs(tmp_path, bus_url, tiny_model_dir
         publish_model(pub, tiny_model_dir, 2)  # durable (straight to the store), announced; the worker cannot list it
         rolled, slowest, warned_at = 0, 0.0, None
         with caplog.at_level(logging.WARNING, logger="weights.puller"):
-            while time.monotonic() - hung < 10:
+            # 10 s of the hang at least, and on until the warning and 8 groups (later on a slow machine)
+            while time.monotonic() - hung < 10 or warned_at is None or rolled < 8:
+                assert time.monotonic() - hung < 90, ("no warning, or too few groups", warned_at, rolled)
                 started = time.monotonic()
                 rolled += worker.step()
                 slowest = max(slowest, time.monotonic() - started)
                 if warned_at is None and "has not answered a listing" in caplog.text:
                     warned_at = time.monotonic() - hung
-        # before: the listing ran on the rollout loop, and one step waited out the client's 30 s timeout
-        assert slowest < 2.5 and rolled >= 8, (slowest, rolled)
+        # before: the listing ran on the rollout loop, and one step waited out the client's 30 s timeout; now a
+        # step takes ~1 s at most (a CI run under load): 10 s is a busy machine's slack, a third of that timeout
+        assert slowest < 10, (slowest, rolled)
         # the listing starts at the step that reads the announcement (the first), the warning comes at the first
-        # step to end 5 s after it: within two steps and 5 s (a CI run under load: 6.56 s, its slowest step ~1 s)
+        # step to end 5 s after it: within two steps and 5 s, plus the publish and its announcement's way to the
+        # worker, ~0.2-1.5 s (a CI run under load: 6.56 s, its slowest step ~1 s), given 3 s; under a warning
+        # that waited for the client's 30 s timeout
         patience = worker.pullers["actor"].STORE_PATIENCE_S
-        assert warned_at is not None and warned_at < patience + 2 * slowest + 0.5, (warned_at, slowest,
-                                                                                      caplog.text[-2000:])
+        assert warned_at is not None and warned_at < patience + 2 * slowest + 3, (warned_at, slowest,
+                                                                                    caplog.text[-2000:])
         assert worker.engines["actor"].version == 1
         proxy.send_signal(signal.SIGCONT)
         while worker.engines["actor"].version != 2:

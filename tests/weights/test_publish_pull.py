@@ -1,5 +1,6 @@
 """Publisher and puller on both buses (embedded, real Kafka) and real stores (local directory, moto S3 server)."""
 import logging
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -16,13 +17,20 @@ from weights.puller import Puller, WeightsUnavailable
 from weights.store import WeightStore
 
 
-class SlowStore(WeightStore):
-    """A real store whose uploads take ``delay_s`` longer, like a distant bucket."""
+class HeldStore(WeightStore):
+    """A real store whose uploads wait until the test opens ``gate`` (a distant bucket, as slow as the test wants);
+    ``entered`` is set once an upload waits there. A gate not opened within ``hold_s`` fails the upload."""
 
-    delay_s = 0.4
+    hold_s = 60.0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate, self.entered = threading.Event(), threading.Event()
 
     def put(self, key, data):
-        time.sleep(self.delay_s)
+        self.entered.set()
+        if not self.gate.wait(self.hold_s):
+            raise RuntimeError(f"the test did not open the gate within {self.hold_s} s")
         super().put(key, data)
 
 
@@ -92,27 +100,26 @@ def publish_versions(trainer, pub, versions):
 
 
 def test_publish_does_not_wait_for_slow_store(run, tmp_path):
+    # The store holds every upload until the test lets it go: each publish returns while no upload can end, so
+    # the step pays only the host copy, however slow the machine (a publish that waited for its upload would hang
+    # at the gate, which the test opens only after the last publish)
     bus, names = run
-    store = SlowStore((tmp_path / "weights").as_uri(), names.run)
+    store = HeldStore((tmp_path / "weights").as_uri(), names.run)
     trainer = Trainer()
-    plain = []
-    for _ in range(4):
-        t0 = time.perf_counter()
-        trainer.step()
-        plain.append(time.perf_counter() - t0)
     pub = Publisher(store, bus, names, "solver")
-    with_publish, copies = [], []
-    for v in range(1, 7):
-        t0 = time.perf_counter()
+    trainer.step()
+    pub.publish(trainer.model.state_dict(), 1)
+    assert store.entered.wait(60), "version 1's upload did not start"  # the worker holds version 1 at the gate
+    for v in range(2, 7):
         trainer.step()
-        copies.append(pub.publish(trainer.model.state_dict(), v))
-        with_publish.append(time.perf_counter() - t0)
+        pub.publish(trainer.model.state_dict(), v)
+    assert not pub.announcements and not pub.errors  # every publish returned with version 1 still uploading
+    store.gate.set()
+    assert pub.wait(60)
     pub.close()
-    # each upload sleeps 0.4 s; the step pays only the host copy (generous slack for a busy CI machine)
-    assert max(with_publish) < max(plain) + max(copies) + 0.25 < SlowStore.delay_s + 0.25, (plain, with_publish, copies)
+    # uploads slower than steps: versions 2-5, each replaced by the next while version 1 uploaded, are coalesced
     versions = [a.version for a in pub.announcements]
-    assert versions == sorted(versions) and versions[-1] == 6 and not pub.errors
-    assert len(versions) < 6, "uploads were slower than steps, so some versions must have been coalesced"
+    assert versions == [1, 6] and not pub.errors, (versions, pub.errors)
     assert pub.announcements[0].kind == "full" and pub.announcements[0].reason == "first version"
 
 
