@@ -341,7 +341,10 @@ class RaasWorker:
     def inflight_groups(self, policy: str) -> tuple[int, int | None] | None:
         """Groups of ``policy`` produced but not yet taken by its filters and trainer (records), with the version
         its trainer trains the first of them at (None: not known yet); None when its trainer has finished or waits
-        at a barrier for its peers (it holds no rollout back).
+        at a barrier for its peers (it holds no rollout back). While its trainer reports it is starving (it waited
+        its poll timeout and got nothing to train), the trainer's share is 0: only the filters' lag counts, so
+        offsets the trainer will never read (aborted transactions, a lost heartbeat's position) cannot hold the
+        worker at its limit while the trainer waits for data.
 
         The filters' share is their committed lag on ``trajectories.<policy>`` (they commit every
         transaction). The trainer's is the end offsets of ``samples.<policy>`` minus its position:
@@ -360,6 +363,8 @@ class RaasWorker:
         if progress is not None and (progress.finished or progress.at_barrier):
             return None
         total = sum(self.admin.group_lag(self.names.filter_group(policy), self.names.trajectories(policy)).values())
+        if progress is not None and progress.starving:  # it found nothing to train: nothing of it is in flight
+            return total, progress.version
         puller, pc = self.pullers[policy], self.cfg.policies[policy]
         announced = puller.announced.get(puller.newest) if puller.newest is not None else None
         # (position, the version the group at it is trained at): each report's version goes with its own position

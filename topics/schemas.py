@@ -282,14 +282,19 @@ class TrainerProgress(Message):
     its steps or was stopped; it consumes nothing more and holds no rollout back.
     ``at_barrier``: it waits for peer policies (``coupling: barrier``), not for its own data;
     while it does its backlog holds no rollout back either, so that the peers can get data.
+    ``starving``: its last wait for a batch ran out with nothing to train (a short batch is trained): whatever
+    ``sum(end offsets) - consumed`` says, its backlog holds no rollout back (backpressure never decides progress:
+    offsets it will never read, such as aborted transactions, cannot hold RaaS at its limit).
     """
 
     SCHEMA: ClassVar[str] = "TrainerProgress"
+    VERSION: ClassVar[int] = 2  # 2: starving
     policy: str = Field(min_length=1)
     consumed: int = Field(ge=0, description="records, summed over the partitions of samples.<policy>")
     version: int = Field(ge=0, description="the trainer's weight version")
     finished: bool = False
     at_barrier: bool = False
+    starving: bool = False
     ts: float = Field(default_factory=time.time)
 
     def routing(self) -> dict[str, str]:

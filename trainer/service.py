@@ -191,8 +191,9 @@ class TrainerService:
         self._committed: dict = {}
         self._store_logged = 0.0
         self._publish_alerted: tuple[int, int | None] = (0, None)  # (publish errors, version while failing)
-        self._progress_sent: tuple[int, int, bool, bool] | None = None
+        self._progress_sent: tuple[int, int, bool, bool, bool] | None = None
         self._progress_ts = 0.0
+        self._starving = False  # the last wait for a batch ran out with nothing to train
         self.collapse_watch = CollapseWatch()
         #: the collapse that stopped this trainer (``stop_on_collapse``), else None
         self.collapsed: Collapse | None = None
@@ -309,9 +310,10 @@ class TrainerService:
                     break
                 # RaaS throttles on this trainer's position: report it while waiting too (stale drops move it)
                 batch = self.serving.next_batch(self.trainer.version, timeout_s=cfg.poll_timeout_s,
-                                                on_poll=self.report_progress)
+                                                on_poll=lambda: self.report_progress(starving=self._starving))
+                self._starving = batch is None  # it says so until it holds a batch again
                 if batch is None:
-                    self.report_progress()
+                    self.report_progress(starving=True)
                     if self.serving.offsets_to_commit() != self._committed:
                         # Starved: checkpoint now, so the committed offsets (the lag `status`
                         # shows, and RaaS backpressure before this trainer's first announcement)
@@ -436,17 +438,20 @@ class TrainerService:
 
             broadcast_object(command)
 
-    def report_progress(self, finished: bool = False, at_barrier: bool = False, every_s: float = 5.0) -> None:
+    def report_progress(self, finished: bool = False, at_barrier: bool = False, starving: bool = False,
+                        every_s: float = 5.0) -> None:
         """Send a :class:`TrainerProgress` heartbeat on ``control`` when the position, version,
-        ``finished`` or ``at_barrier`` changed, and at least every ``every_s`` seconds: RaaS
-        throttles this policy by it (DESIGN.md, "Backpressure, per policy, on progress")."""
-        now = (self.serving.consumed(), self.trainer.version, finished, at_barrier)
+        ``finished``, ``at_barrier`` or ``starving`` (its last wait for a batch ran out with nothing to train)
+        changed, and at least every ``every_s`` seconds: RaaS throttles this policy by it (DESIGN.md,
+        "Backpressure, per policy, on progress"). A change of state is flushed at once; the periodic ones are
+        queued."""
+        now = (self.serving.consumed(), self.trainer.version, finished, at_barrier, starving)
         if now == self._progress_sent and time.monotonic() - self._progress_ts < every_s:
             return
         msg = TrainerProgress(policy=self.config.trainer.policy, consumed=now[0], version=now[1], finished=finished,
-                              at_barrier=at_barrier)
+                              at_barrier=at_barrier, starving=starving)
         self.producer.send(self.names.control, encode(msg), key=f"trainer.{msg.policy}", headers=headers_for(msg))
-        if finished:
+        if finished or self._progress_sent is None or now[2:] != self._progress_sent[2:]:
             self.producer.flush()
         self._progress_sent, self._progress_ts = now, time.monotonic()
 

@@ -63,9 +63,10 @@ class RaasRun:
         """A RaaS worker of this run (the caller closes it)."""
         return RaasWorker(self.cfg.raas_section(), worker_id, self.bus)
 
-    def report_progress(self, version: int, consumed: int, finished: bool = False) -> None:
+    def report_progress(self, version: int, consumed: int, finished: bool = False, starving: bool = False) -> None:
         """Send the trainer's :class:`TrainerProgress` heartbeat for ``actor`` (flushed)."""
-        msg = TrainerProgress(policy="actor", version=version, consumed=consumed, finished=finished)
+        msg = TrainerProgress(policy="actor", version=version, consumed=consumed, finished=finished,
+                              starving=starving)
         producer = self.bus.producer()
         try:
             producer.send(self.names.control, encode(msg), key="trainer.actor", headers=headers_for(msg))

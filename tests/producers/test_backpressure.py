@@ -146,3 +146,32 @@ def test_a_bus_error_counting_the_groups_in_flight_keeps_the_worker_paused_until
                    for r in caplog.records)
     finally:
         worker.close()
+
+
+def test_a_starving_trainer_releases_the_limit_that_groups_it_will_never_train_hold(tmp_path, bus_url,
+                                                                                      tiny_model_dir):
+    """Groups on ``samples.actor`` that the trainer took and dropped (stale, or duplicates) while its heartbeat
+    saying so was lost (queued, unflushed, when it was killed) still count in ``end offsets - position``; so do
+    offsets no trainer will ever read (aborted transactions). With them at the limit the worker pauses while the
+    trainer has nothing to train: a deadlock (the worker waits for the trainer, the trainer for data). The trainer
+    reports it is starving, and the worker rolls out again, its limit then held by the filters' lag alone."""
+    run = acquired_run(run_config(tmp_path, bus_url, tiny_model_dir, prompts=40, max_inflight_groups=8), 2)
+    worker, produced = run.worker(), run.produced
+    dropped = run.bus.producer()
+    try:
+        for i in range(8):
+            dropped.send(run.names.samples("actor"), b"taken and dropped by the trainer", key=f"g{i}")
+        dropped.flush()
+        assert run.samples_end() >= 8
+        run.report_progress(0, 0)  # the last heartbeat that got through: before it took those 8
+        for _ in range(20):
+            worker.step()
+        assert produced() == 0 and "8 groups of actor in flight" in worker.paused_reason, worker.paused_reason
+        run.report_progress(0, 0, starving=True)
+        for _ in range(20):
+            worker.step()
+        assert produced() == 8  # up to the limit, in trajectories (no filter runs here)
+        assert "8 groups of actor in flight, and a batch of 2 more would pass its limit 8" in worker.paused_reason
+    finally:
+        dropped.close()
+        worker.close()

@@ -44,3 +44,50 @@ def test_the_service_publishes_each_version_with_its_position(tiny_model_dir, ma
     # (on a loaded machine version 1 may still be in the publisher's thread at step 2: then no figures yet)
     published = [m for m in steps if "published_version" in m]
     assert all(m["publish_bytes"] > 0 and m["published_version"] <= m["step"] for m in published)
+
+
+def test_a_trainer_with_nothing_to_train_after_its_poll_timeout_reports_it_is_starving(tiny_model_dir, make_group,
+                                                                                       tmp_path):
+    """RaaS releases its limit for a starving trainer (producers/raas.py): the trainer says so on ``control`` once
+    a wait for a batch runs out with nothing to train (a short batch is trained), keeps saying so while it waits,
+    and stops once it trains."""
+    import threading
+    import time
+
+    from topics.bus import read_topic
+    from topics.codec import decode
+    from topics.schemas import TrainerProgress
+
+    names, bus_url = TopicNames("starving"), f"local://{tmp_path / 'bus'}"
+    bus = connect(bus_url)
+    service = TrainerService(ServiceConfig(
+        bus=bus_url, run=names.run, model_dir=tiny_model_dir, run_dir=tmp_path / "run", steps=1, batch_groups=2,
+        trainer=TrainerConfig(policy="p", param_dtype="float32", lr=1e-3, device="cpu"), console=False,
+        poll_timeout_s=0.5))
+    producer = bus.producer()
+
+    def send_group(seed: int) -> None:
+        g = make_group([1.0, 0.0], seed=seed, gen_len=2, policy="p")
+        producer.send(names.samples("p"), encode(g), key="one", headers=headers_for(g))
+        producer.flush()
+
+    def heartbeats() -> list[TrainerProgress]:
+        return [decode(r.value, TrainerProgress) for r in read_topic(bus, names.control)]
+
+    thread = threading.Thread(target=service.run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(h.starving for h in heartbeats()):
+            assert time.monotonic() < deadline and thread.is_alive(), heartbeats()
+            time.sleep(0.2)
+        send_group(0)
+        send_group(1)
+        thread.join(timeout=300)
+        assert not thread.is_alive()
+    finally:
+        service.close()
+    seen = heartbeats()
+    first = next(i for i, h in enumerate(seen) if h.starving)
+    assert all(not h.starving for h in seen[:first]) and seen[first].version == 0, seen
+    assert seen[-1].finished and not seen[-1].starving and (seen[-1].version, seen[-1].consumed) == (1, 2), seen
