@@ -61,7 +61,9 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.spread import describe, spread  # noqa: E402
 
-EXAMPLES = ("arith-tiny", "search-tiny")  # CPU examples, examples/<name>.yaml
+#: the CPU examples that learn, examples/<name>.yaml (arith-tiny-vllm is arith-tiny's workload on a vLLM server;
+#: gsm8k-tiny, solver-verifier-tiny and plan-execute-critique-tiny are pipeline checks of 3-5 steps)
+EXAMPLES = ("arith-tiny", "search-tiny")
 QUICK_EXAMPLES = 2  # --quick: the first 2 of EXAMPLES
 SEEDS = 3
 COLLAPSED_BELOW = 0.9  # a run whose final_over_best is below this collapsed
