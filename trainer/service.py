@@ -443,16 +443,24 @@ class TrainerService:
         """Send a :class:`TrainerProgress` heartbeat on ``control`` when the position, version,
         ``finished``, ``at_barrier`` or ``starving`` (its last wait for a batch ran out with nothing to train)
         changed, and at least every ``every_s`` seconds: RaaS throttles this policy by it (DESIGN.md,
-        "Backpressure, per policy, on progress"). A change of state is flushed at once; the periodic ones are
-        queued."""
+        "Backpressure, per policy, on progress"). A change of state is flushed at once (a flush the broker does not
+        answer is logged, and the heartbeat stays queued); the periodic ones are queued."""
         now = (self.serving.consumed(), self.trainer.version, finished, at_barrier, starving)
         if now == self._progress_sent and time.monotonic() - self._progress_ts < every_s:
             return
         msg = TrainerProgress(policy=self.config.trainer.policy, consumed=now[0], version=now[1], finished=finished,
                               at_barrier=at_barrier, starving=starving)
         self.producer.send(self.names.control, encode(msg), key=f"trainer.{msg.policy}", headers=headers_for(msg))
-        if finished or self._progress_sent is None or now[2:] != self._progress_sent[2:]:
+        if finished:
             self.producer.flush()
+        elif self._progress_sent is None or now[2:] != self._progress_sent[2:]:
+            try:
+                self.producer.flush()
+            except FatalBusError:
+                raise
+            except BusError as e:  # the broker is away: the heartbeat stays queued and goes with a later flush
+                log.warning("trainer %s: heartbeat not acknowledged yet (%s); it stays queued",
+                            self.config.trainer.policy, e)
         self._progress_sent, self._progress_ts = now, time.monotonic()
 
     def _report_publish_errors(self) -> None:
