@@ -42,7 +42,7 @@ from typing import Any
 from producers.config import AcquisitionSection
 from producers.sources import PromptSource, SourceError, load_source, prompt_id
 from topics.atomic_write import atomic_write
-from topics.bus import Admin, Bus, Producer
+from topics.bus import Admin, Bus, BusError, Producer
 from topics.codec import encode, headers_for
 from topics.layout import PARTITIONS, RunTopics
 from topics.names import TopicNames
@@ -203,12 +203,18 @@ class Acquisition:
             self._admin = None
 
     def outstanding(self) -> int:
-        """Prompts on ``prompts`` not yet committed by the pacing group (records).
+        """Prompts on ``prompts`` not yet committed by the pacing group (records). After a failed read the admin
+        client is closed, so the next read opens a new one (a client can keep metadata a broker restart made stale:
+        'Unknown partition' for as long as it lives).
 
         Raises:
             topics.bus.BusError: the bus did not answer.
         """
-        return sum(self.admin().group_lag(self.group, self.names.prompts).values())
+        try:
+            return sum(self.admin().group_lag(self.group, self.names.prompts).values())
+        except BusError:
+            self.close()
+            raise
 
     def _wait_for_room(self, need: int, stop: threading.Event) -> bool:
         """Block until ``need`` more prompts fit under ``max_outstanding``; False if stopped first."""

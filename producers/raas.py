@@ -438,6 +438,9 @@ class RaasWorker:
             try:
                 counted = self.inflight_groups(p)
             except BusError as e:
+                # the next count opens new readers: a broker restart can leave a reader's metadata stale ('Unknown
+                # partition' for as long as it lives)
+                self.admin.close()
                 return self._uncounted_reason(p, e)
             uncounted = self._uncounted.pop(p, None)
             if uncounted is not None:
