@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from rich.console import Group
 from rich.table import Table
 
+from trainer.collapse import Collapse
 from topics.bus import Bus, BusError, TopicPartition, connect, offsets_after
 from topics.codec import MessageError, decode
 from topics.layout import RunTopics
@@ -124,11 +125,10 @@ class RunMonitor:
                 series.append((m.ts, m.values["tokens_total"]))
                 del series[:-1000]  # a worker reports every 2 s: far more than any throughput window
             if m.kind == "trainer" and m.policy in self.views and "collapse" in m.values:
-                a = m.values
-                self.views[m.policy].collapse = (
-                    f"reward collapsed at step {a['collapse_step']:.0f}: {a['reward_window']:.3f} against the best "
-                    f"window's {a['reward_best_window']:.3f} (step {a['best_step']:.0f}); entropy "
-                    f"{a['entropy_best_window']:.4f} -> {a['entropy_window']:.4f}")
+                try:
+                    self.views[m.policy].collapse = Collapse.from_values(m.values).describe()
+                except KeyError as e:
+                    print(f"monitor: {m.component}'s collapse alert lacks {e}; not shown", file=sys.stderr)
             elif m.kind == "trainer" and m.policy in self.views and "publish_errors" in m.values:
                 v = self.views[m.policy]
                 v.publish_errors = int(m.values["publish_errors"])

@@ -99,13 +99,6 @@ def parse_summary(stdout: str) -> dict | None:
     return summary if isinstance(summary, dict) and "complete" in summary else None
 
 
-def final_over_best(last: float | None, best: float | None) -> float | None:
-    """reward_last / reward_best; None when either is None or ``best`` <= 0 (no peak to fall from)."""
-    if last is None or best is None or best <= 0:
-        return None
-    return last / best
-
-
 def is_collapsed(ratio: float | None) -> bool | None:
     """Whether a run with this ``final_over_best`` collapsed (below :data:`COLLAPSED_BELOW`); None for None."""
     return None if ratio is None else ratio < COLLAPSED_BELOW
@@ -151,7 +144,7 @@ def run_figures(example: str, seed: int, summary: dict | None, trainer_rows: lis
     """
     s = summary or {}
     first, last, best = s.get("reward_first"), s.get("reward_last"), s.get("reward_best")
-    ratio = final_over_best(last, best)
+    ratio = s.get("final_over_best")  # the run summary's reward_last / reward_best
     return {
         "example": example, "seed": seed, "exit_code": exit_code,
         "complete": bool(s.get("complete")) and exit_code == 0,

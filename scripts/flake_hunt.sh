@@ -7,8 +7,13 @@
 #   scripts/flake_hunt.sh N [pytest args...]   e.g. scripts/flake_hunt.sh 5 tests/faults/test_broker_outage.py
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+usage="usage: scripts/flake_hunt.sh N TEST [pytest args...] (N >= 1 repetitions of scripts/test.sh TEST ...)"
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  echo "$usage"
+  exit 0
+fi
 if [ $# -lt 2 ] || ! [[ "$1" =~ ^[1-9][0-9]*$ ]]; then
-  echo "usage: scripts/flake_hunt.sh N TEST [pytest args...] (N >= 1 repetitions)" >&2
+  echo "$usage" >&2
   exit 2
 fi
 runs=$1; shift

@@ -65,6 +65,17 @@ class Collapse:
                 "reward_best_window": self.best_window, "best_step": float(self.best_step),
                 "entropy_window": self.entropy_window, "entropy_best_window": self.best_entropy}
 
+    @classmethod
+    def from_values(cls, values: dict[str, float]) -> "Collapse":
+        """The alert :meth:`values` published (a ``metrics`` record's values).
+
+        Raises:
+            KeyError: a field of :meth:`values` is missing.
+        """
+        return cls(step=int(values["collapse_step"]), reward_window=values["reward_window"],
+                   best_window=values["reward_best_window"], best_step=int(values["best_step"]),
+                   entropy_window=values["entropy_window"], best_entropy=values["entropy_best_window"])
+
 
 class CollapseWatch:
     """Watches one policy's per-step reward and entropy for a collapse (module docstring).

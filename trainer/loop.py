@@ -279,7 +279,7 @@ class Trainer:
             "clipfrac": sums["clipped"] / max(sums["valid"], 1),
             "grad_norm": sums["grad_norm"] / max(sums["updates"], 1),
             "grad_norm_clipped": sums["grad_norm_clipped"] / max(sums["updates"], 1),
-            "zero_adv_frac": sum(len({s.reward for s in g.samples}) == 1 for g in groups) / len(groups),
+            "zero_adv_frac": sum(g.zero_adv for g in groups) / len(groups),
             "adv_abs_mean": float(advantages.abs().mean()),
             "response_tokens": gen_tokens / n, "turns_mean": sum(s.turns for g in groups for s in g.samples) / n,
             "masked_frac": 1.0 - gen_tokens / max(all_tokens, 1.0),

@@ -122,7 +122,7 @@ def write_outputs(cfg: RunConfig, names: TopicNames, components: list[Component]
         "reward_first": None if first is None else round(first, 4),
         "reward_last": None if last is None else round(last, 4),
         "reward_best": None if best is None else round(best, 4),
-        "final_over_best": round(last / best, 4) if last is not None and best else None,
+        "final_over_best": round(last / best, 4) if last is not None and best is not None and best > 0 else None,
         "collapses": {p: v.collapse for p, v in monitor.views.items() if v.collapse},
         "dead_letters": monitor.dead_letters,
         "wall_s": round(wall_s, 1),

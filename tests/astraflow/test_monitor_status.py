@@ -65,8 +65,8 @@ def test_status_shows_entropy_clip_fraction_grad_norm_and_a_collapse_alert(tmp_p
                   values={"reward_mean": 0.0, "entropy": 0.19, "clipfrac": 0.0125, "grad_norm": 3.5, "steps_done": 7})
     # the trainer's alert (trainer/collapse.py's Collapse.values, as TrainerService sends it)
     alert = Metric(component="trainer.actor", kind="trainer", policy="actor",
-                   values={"collapse": 1.0, "collapse_step": 7.0, "reward_window": 0.1, "reward_best_window": 0.75,
-                           "best_step": 5.0, "entropy_window": 0.19, "entropy_best_window": 0.032, "version": 7.0})
+                   values={"collapse": 1.0, "collapse_step": 37.0, "reward_window": 0.1, "reward_best_window": 0.75,
+                           "best_step": 25.0, "entropy_window": 0.19, "entropy_best_window": 0.032, "version": 7.0})
     for m in (step, alert):
         producer.send(names.metrics, encode(m), key=m.component, headers=headers_for(m))
     producer.flush()
@@ -78,13 +78,14 @@ def test_status_shows_entropy_clip_fraction_grad_norm_and_a_collapse_alert(tmp_p
             monitor.poll(0.5)
         shown = monitor.snapshot()["policies"]["actor"]
         assert (shown["entropy"], shown["clipfrac"], shown["grad_norm"], shown["step"]) == (0.19, 0.0125, 3.5, 7)
-        assert shown["collapse"] == ("reward collapsed at step 7: 0.100 against the best window's 0.750 (step 5); "
-                                     "entropy 0.0320 -> 0.1900"), shown
+        assert shown["collapse"] == ("reward collapsed at step 37: the last 10 steps' mean reward 0.100 is under 0.5 x "
+                                     "the best window's 0.750 (steps 16-25), and the entropy moved 0.0320 -> 0.1900 "
+                                     "nats/token (x5.94)"), shown
         console = Console(width=250, record=True)
         console.print(monitor.table())
         text = console.export_text()
         row = next(line for line in text.splitlines() if line.startswith("│ actor"))
         assert [c.strip() for c in row.split("│")[1:-1]][5:8] == ["0.1900", "0.0125", "3.5"], text
-        assert "actor: reward collapsed at step 7" in text, text
+        assert "actor: reward collapsed at step 37" in text, text
     finally:
         monitor.close()

@@ -9,12 +9,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench_stability import (COLLAPSED_BELOW, EXAMPLES, collapse_alerts, final_over_best,  # noqa: E402
+from scripts.bench_stability import (COLLAPSED_BELOW, EXAMPLES, collapse_alerts,  # noqa: E402
                                      first_policy, is_collapsed, parse_summary, result_line, run_figures,
                                      run_overrides, tail_means)
 
 SUMMARY = {"run": "r", "complete": True, "restarts": 0, "steps": 10, "versions": {"actor": 10},
-           "reward_first": 0.2, "reward_last": 0.45, "reward_best": 0.5, "dead_letters": 0, "wall_s": 42.5}
+           "reward_first": 0.2, "reward_last": 0.45, "reward_best": 0.5, "final_over_best": 0.9,
+           "dead_letters": 0, "wall_s": 42.5}
 
 
 def trainer(n: int = 10) -> list[dict]:
@@ -52,10 +53,7 @@ def test_collapsed_below_point_nine():
     assert COLLAPSED_BELOW == 0.9
     assert is_collapsed(0.9) is False and is_collapsed(0.8999) is True and is_collapsed(1.0) is False
     assert is_collapsed(None) is None
-    assert final_over_best(0.3, 0.5) == pytest.approx(0.6)
-    assert final_over_best(0.3, 0.0) is None and final_over_best(-0.1, -0.05) is None
-    assert final_over_best(None, 0.5) is None and final_over_best(0.5, None) is None
-    assert run_figures("a", 0, {**SUMMARY, "reward_last": 0.4499}, [], [], 1.0)["collapsed"] is True
+    assert run_figures("a", 0, {**SUMMARY, "reward_last": 0.4499, "final_over_best": 0.8998}, [], [], 1.0)["collapsed"]
 
 
 def test_tail_means_take_the_last_fifth_of_steps_once_each():
@@ -86,8 +84,8 @@ def test_overrides_seed_the_data_and_set_the_first_policy_steps():
 
 def test_the_json_line_shape():
     rows = [run_figures("arith-tiny", 0, SUMMARY, [], [], 1.0),
-            run_figures("search-tiny", 0, {**SUMMARY, "reward_last": 0.3}, [], [], 1.0),
-            run_figures("arith-tiny", 1, {**SUMMARY, "reward_last": 0.5}, [], [], 1.0),
+            run_figures("search-tiny", 0, {**SUMMARY, "reward_last": 0.3, "final_over_best": 0.6}, [], [], 1.0),
+            run_figures("arith-tiny", 1, {**SUMMARY, "reward_last": 0.5, "final_over_best": 1.0}, [], [], 1.0),
             run_figures("search-tiny", 1, None, [], [], 1.0, exit_code=1)]
     line = result_line(rows, ["scripts/bench_stability.py", "--quick"], "abc1234", "Linux, nproc 2")
     assert json.loads(json.dumps(line)) == line
