@@ -422,7 +422,8 @@ class TrainerService:
         """Hand ``weights`` to the publisher as ``version``, with this trainer's position on ``samples.<policy>``;
         returns the step's publish figures: ``publish_wait_s`` (seconds waited for the publisher: its one copy
         of the weights to host memory; encoding and upload run in its background thread), the publisher's
-        ``last_publish`` (publish_bytes, publish_s, published_version of the newest version published) and
+        ``last_publish`` (publish_bytes, publish_s, published_version of the newest version published,
+        store_lost_total) and
         ``durable_version`` (the newest version stored and announced, once there is one)."""
         start = time.perf_counter()
         self.publisher.publish(weights, version, self.serving.consumed())

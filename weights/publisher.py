@@ -80,7 +80,11 @@ class Publisher:
         announcements: the last 1,000 announcements made, in order.
         last_publish: the newest version published, as figures for ``metrics``: ``publish_bytes`` (the object
             stored, bytes), ``publish_s`` (seconds to encode, store and announce it, in the background) and
-            ``published_version``; empty before the first.
+            ``published_version``, and ``store_lost_total`` (times the store was found to have lost the chain's
+            full snapshot); empty before the first.
+        store_lost: times the store no longer held the full snapshot the delta chain starts from (the store was
+            deleted or pruned from outside the run): each time, an error is logged naming the object and the version
+            is published as a full snapshot instead of a delta, so that workers joining later can start.
         errors: exceptions raised by background publishes (uploads are retried
             ``attempts`` times first). A failed version is retried with back-off
             (2 s doubling, at most 30 s) until it succeeds or a newer version
@@ -107,6 +111,8 @@ class Publisher:
         self._last_submitted = -1
         self._chain_bytes = 0
         self._chain_len = 0
+        self._chain_root: str | None = None  # key of the full snapshot the current delta chain starts from
+        self.store_lost = 0
         self._dense_streak = 0  # versions in a row whose delta was not sparse enough
         self._skip_deltas = 0  # versions left to publish full without trying a delta (rule 2)
         self._closing = False
@@ -259,16 +265,22 @@ class Publisher:
                 versions = self.store.versions(self.policy)
         return max(versions, default=None)
 
+    def _retrying(self, what: str, key: str) -> Retrying:
+        """Retries of one store request: a transient store failure costs a back-off (0.5 s doubling, at most 5 s),
+        up to ``attempts`` attempts; the last failure is re-raised."""
+        return Retrying(stop=stop_after_attempt(self.attempts), reraise=True,
+                        wait=wait_exponential(multiplier=0.5, max=5.0), retry=retry_if_exception(_transient),
+                        before_sleep=lambda s: log.debug(
+                            "publisher %s: %s %s: attempt %d failed (%s); retrying in %.1f s", self.policy, what, key,
+                            s.attempt_number, s.outcome.exception(), s.next_action.sleep))
+
     def _put(self, key: str, data) -> None:
         """``store.put`` with retries: a transient store failure costs a back-off, not the version."""
-        for attempt in Retrying(stop=stop_after_attempt(self.attempts), reraise=True,
-                                wait=wait_exponential(multiplier=0.5, max=5.0),
-                                retry=retry_if_exception(_transient),
-                                before_sleep=lambda s: log.debug(
-                                    "publisher %s: put %s: attempt %d failed (%s); retrying in %.1f s", self.policy,
-                                    key, s.attempt_number, s.outcome.exception(), s.next_action.sleep)):
-            with attempt:
-                self.store.put(key, data)
+        self._retrying("put", key)(self.store.put, key, data)
+
+    def _exists(self, key: str) -> bool:
+        """``store.exists`` with the retries of :meth:`_put`."""
+        return self._retrying("head", key)(self.store.exists, key)
 
     def _publish_one(self, version: int, buf: Buffer, samples_consumed: int | None) -> str:
         started = time.perf_counter()
@@ -277,6 +289,13 @@ class Publisher:
         if self._base is not None and self._skip_deltas > 0:
             self._skip_deltas -= 1
             reason = f"the last {self._dense_streak} deltas tried were over {self.max_delta_fraction:.0%} of full"
+        elif self._base is not None and self._chain_root is not None and not self._exists(self._chain_root):
+            self.store_lost += 1
+            reason = f"the store lost {self.store.uri_of(self._chain_root)}, where the delta chain starts"
+            log.error("publisher %s: weight store %s no longer holds %s, the full snapshot that versions after it are "
+                      "deltas of (was the store deleted or pruned from outside the run?); version %d is published "
+                      "full so workers joining from now on can start", self.policy, self.store.uri,
+                      self.store.uri_of(self._chain_root), version)
         elif self._base is not None:
             base_version, base_buf, base_sha = self._base
             delta = encode_delta(base_buf, buf, base_version=base_version, version=version, level=self.level,
@@ -312,7 +331,7 @@ class Publisher:
                 save_full(buf, path, version=version, sha256=sha)
                 size = path.stat().st_size
                 self._put(key, path)
-            self._chain_bytes, self._chain_len = 0, 0
+            self._chain_bytes, self._chain_len, self._chain_root = 0, 0, key
         ann = WeightAnnouncement(
             policy=self.policy, version=version, kind=kind, uri=self.store.uri_of(key), bytes=size, sha256=sha,
             base_version=self._base[0] if kind == "delta" else None,
@@ -325,7 +344,7 @@ class Publisher:
         del self.announcements[:-1000]  # a long run announces once per step
         log.info("publisher %s: version %d %s %d B (%s)", self.policy, version, kind, size, reason)
         self.last_publish = {"publish_bytes": float(size), "publish_s": time.perf_counter() - started,
-                             "published_version": float(version)}
+                             "published_version": float(version), "store_lost_total": float(self.store_lost)}
         if self.keep_versions:
             self.store.retain(self.policy, self.keep_versions)
         return sha

@@ -256,6 +256,22 @@ class WeightStore:
         self._answered()
         return out
 
+    def exists(self, key: str) -> bool:
+        """Whether object ``key`` exists (one HEAD request).
+
+        Raises:
+            StoreError: the store did not answer.
+        """
+        try:
+            obstore.head(self._store, key)
+        except (NotFoundError, FileNotFoundError):
+            self._answered()
+            return False
+        except Exception as e:
+            raise self._failed("head", self.uri_of(key), e) from None
+        self._answered()
+        return True
+
     def download(self, key: str, path: Path, size: int | None = None) -> int:
         """Stream object ``key`` into the local file ``path``; returns its size in bytes. An object of a known
         ``size`` (bytes, from the listing) up to ``WHOLE_DOWNLOAD_BYTES`` is read whole and written at once.

@@ -1,5 +1,6 @@
 """Publisher and puller on both buses (embedded, real Kafka) and real stores (local directory, moto S3 server)."""
 import logging
+import shutil
 import threading
 import time
 import uuid
@@ -289,3 +290,29 @@ def test_a_ghost_announcement_is_not_a_target(run, tmp_path, caplog):
     assert_bit_equal(puller.state, snaps[2])
     producer.close()
     puller.close()
+
+
+def test_a_store_deleted_mid_run_is_reported_and_the_next_version_is_full(run, tmp_path, caplog):
+    bus, names = run
+    root = tmp_path / "weights"
+    store = WeightStore(root.as_uri(), names.run)
+    trainer = Trainer()
+    pub = Publisher(store, bus, names, "solver")
+    publish_versions(trainer, pub, range(3))
+    assert [a.kind for a in pub.announcements] == ["full", "delta", "delta"] and pub.store_lost == 0
+    shutil.rmtree(root)  # someone deletes the bucket's contents while the run goes on
+    with caplog.at_level(logging.ERROR, logger="weights"):
+        snaps = publish_versions(trainer, pub, [3, 4])
+    pub.close()
+    lost = pub.announcements[3]
+    assert (lost.kind, pub.announcements[4].kind) == ("full", "delta"), pub.announcements
+    assert lost.reason.startswith("the store lost ") and lost.reason.endswith("00000000/full.safetensors, where the "
+                                                                               "delta chain starts"), lost.reason
+    assert pub.store_lost == 1 and pub.last_publish["store_lost_total"] == 1.0
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "no longer holds" in errors[0] and "version 3 is published full" in errors[0], errors
+    # a worker that joins now starts from the new full snapshot
+    fresh = Puller(WeightStore(root.as_uri(), names.run), None, names, "solver")
+    assert [(s.kind, s.version) for s in fresh.plan(4)] == [("full", 3), ("delta", 4)]
+    fresh.sync(4)
+    assert_bit_equal(fresh.state, snaps[4])
