@@ -31,9 +31,10 @@ engine could not load them, e.g. its server refused or could not be reached).
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping
 
 import numpy as np
 
@@ -98,6 +99,50 @@ class EngineUpdateError(RuntimeError):
     reached): :attr:`Engine.version` is unchanged and the engine stays usable; the message says why and
     what the engine holds now. The RaaS worker logs it, keeps rolling out with the old version and
     tries again at its next weight sync."""
+
+
+class SwapGate:
+    """Keeps a server engine's weight swaps apart from its generations: many :meth:`generating` blocks at once, or
+    one :meth:`swapping` block alone. A swap waits until the generations in flight have ended, and generations
+    asked for once a swap waits, wait for it (writer preference), so a swap is never starved and every token of a
+    generation comes from the version it is stamped with.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._generating = 0
+        self._swapping = False
+        self._swaps_waiting = 0
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        """Hold the gate shared for one generation (blocks while a swap runs or waits)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._swapping and not self._swaps_waiting)
+            self._generating += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._generating -= 1
+                self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def swapping(self) -> Iterator[None]:
+        """Hold the gate alone for one weight swap (blocks until no generation is in flight)."""
+        with self._cv:
+            self._swaps_waiting += 1
+            try:
+                self._cv.wait_for(lambda: not self._swapping and not self._generating)
+            finally:
+                self._swaps_waiting -= 1
+            self._swapping = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._swapping = False
+                self._cv.notify_all()
 
 
 class Engine(abc.ABC):

@@ -11,7 +11,10 @@ refused here.
 Weights are not pushed through this client: the server's worker extension pulls each version from the
 weight store itself (:meth:`VLLMEngine.pull`, ``astraflow_pull`` in :mod:`producers.vllm_worker`), verifies
 it against the announcement's checksum and loads only the layers that changed; then the prefix cache is
-reset, since cached KV blocks were computed under the old weights.
+reset, since cached KV blocks were computed under the old weights. Up to :attr:`VLLMEngine.concurrent_calls`
+generations run at once, so a pull waits for the ones in flight to end and holds back new ones until the server
+has the new version (:class:`~producers.engines.SwapGate`): no request runs across a swap, and the version each
+generation is stamped with is the one every one of its tokens came from.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import numpy as np
 import torch
 
 from producers.engines import (Engine, EngineUpdateError, Generation, GenerationInterrupted, SamplingParams,
-                               check_prompts)
+                               SwapGate, check_prompts)
 from producers.vllm_server import SERVED_NAME, wait_healthy
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class VLLMEngine(Engine):
         self.url = url.rstrip("/")
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._version = 0
+        self._gate = SwapGate()
         self._http = httpx.Client(timeout=request_timeout_s)
         waited = wait_healthy(self.url, startup_timeout_s, what="the vLLM server", log=log.info)
         log.info("vLLM server at %s is healthy (waited %.0f s)", self.url, waited)
@@ -95,13 +99,14 @@ class VLLMEngine(Engine):
                    "skip_special_tokens": False}
         if sampling.seed is not None:
             payload["seed"] = sampling.seed
-        version = self._version
-        try:
-            answer = self._post("/v1/completions", payload)
-        except RuntimeError:
-            if self.interrupt is not None and self.interrupt.is_set():  # the server went as we stopped
-                raise GenerationInterrupted("interrupted: the request failed while stopping") from None
-            raise
+        with self._gate.generating():
+            version = self._version
+            try:
+                answer = self._post("/v1/completions", payload)
+            except RuntimeError:
+                if self.interrupt is not None and self.interrupt.is_set():  # the server went as we stopped
+                    raise GenerationInterrupted("interrupted: the request failed while stopping") from None
+                raise
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != len(batch):
             raise RuntimeError(f"vLLM answered {len(choices)} choices for {len(batch)} prompts")
@@ -117,7 +122,8 @@ class VLLMEngine(Engine):
     def pull(self, store_uri: str, run: str, policy: str, version: int, sha256: str | None) -> None:
         """Have the server load ``version`` of ``policy`` from the weight store itself (its worker extension's
         ``astraflow_pull``: the Puller's planner, each object verified, only changed layers loaded), then
-        reset its prefix cache and set :attr:`version`.
+        reset its prefix cache and set :attr:`version`; once the generations in flight have ended, and with new
+        ones held back until it is done.
 
         Args:
             store_uri, run, policy, version: which weights.
@@ -128,20 +134,22 @@ class VLLMEngine(Engine):
             EngineUpdateError: the server could not reach or verify the version (it keeps its old weights), or a
                 worker reports another checksum than ``sha256`` (or, without one, the workers disagree).
         """
-        try:
-            results = self._post("/collective_rpc", {"method": "astraflow_pull",
-                                                      "args": [store_uri, run, policy, str(version), sha256 or ""]})
-        except RuntimeError as e:
-            raise EngineUpdateError(f"version {version} of {policy!r} not loaded by the server: {e}") from None
-        sums = results.get("results", []) if isinstance(results, dict) else []
-        errors = sorted({s for s in sums if str(s).startswith("error:")})
-        if errors:
-            raise EngineUpdateError(f"version {version} of {policy!r} not loaded by the server: {'; '.join(errors)}")
-        if not sums or any(s != (sha256 or sums[0]) for s in sums):
-            raise EngineUpdateError(f"version {version} of {policy!r}: the server's workers report checksums {sums}, "
-                                  f"the announcement says {sha256}")
-        self._post("/reset_prefix_cache")
-        self._version = int(version)
+        with self._gate.swapping():
+            try:
+                results = self._post("/collective_rpc", {"method": "astraflow_pull",
+                                                          "args": [store_uri, run, policy, str(version), sha256 or ""]})
+            except RuntimeError as e:
+                raise EngineUpdateError(f"version {version} of {policy!r} not loaded by the server: {e}") from None
+            sums = results.get("results", []) if isinstance(results, dict) else []
+            errors = sorted({s for s in sums if str(s).startswith("error:")})
+            if errors:
+                raise EngineUpdateError(f"version {version} of {policy!r} not loaded by the server: "
+                                        f"{'; '.join(errors)}")
+            if not sums or any(s != (sha256 or sums[0]) for s in sums):
+                raise EngineUpdateError(f"version {version} of {policy!r}: the server's workers report checksums "
+                                        f"{sums}, the announcement says {sha256}")
+            self._post("/reset_prefix_cache")
+            self._version = int(version)
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Not supported: the server pulls its weights from the store itself (:meth:`pull`).

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from producers.engines import GenerationInterrupted, SamplingParams
+from producers.engines import GenerationInterrupted, SamplingParams, SwapGate
 from producers.hf_engine import HFEngine
 
 torch.set_num_threads(2)
@@ -175,3 +175,39 @@ def test_rows_that_stop_leave_the_decode_batch_and_every_row_stays_exact(engine,
         hook.remove()
     assert [w[0] for w in widths if w[1] > 1] == [3, 3, 2]  # the prefills
     assert [g.output_ids.tolist() for g in chunked] == [g.output_ids.tolist() for g in together]
+
+
+def test_a_swap_waits_for_generations_in_flight_and_holds_back_new_ones():
+    gate, log = SwapGate(), []
+    in_flight, release = [threading.Event() for _ in range(3)], threading.Event()
+
+    def generation(i, started=None):
+        with gate.generating():
+            log.append(f"gen{i} start")
+            if started is not None:
+                started.set()
+                assert release.wait(60)
+            log.append(f"gen{i} end")
+
+    def swap():
+        with gate.swapping():
+            log.append("swap")
+
+    first = [threading.Thread(target=generation, args=(i, in_flight[i])) for i in range(3)]
+    for t in first:
+        t.start()
+    assert all(e.wait(60) for e in in_flight)
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    while gate._swaps_waiting == 0:  # the swap is waiting on the three generations
+        swapper.join(0.01)
+    late = threading.Thread(target=generation, args=(3,))  # asked for while the swap waits: it goes after the swap
+    late.start()
+    late.join(0.5)
+    assert late.is_alive() and "swap" not in log and "gen3 start" not in log, log
+    release.set()
+    for t in (*first, swapper, late):
+        t.join(60)
+        assert not t.is_alive()
+    assert log.index("swap") > max(log.index(f"gen{i} end") for i in range(3)), log
+    assert log.index("gen3 start") > log.index("swap"), log

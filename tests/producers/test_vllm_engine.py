@@ -255,3 +255,68 @@ def test_eval_and_live_eval_update_a_vllm_engine_through_the_one_sync_contract(s
     model.load_state_dict(states[3])
     assert max_gap(model, batch, live.generate(batch, SAMPLING)) < 1e-5
     live.close()
+
+
+@pytest.mark.slow
+def test_a_pull_under_live_generations_never_mixes_two_versions_in_one(server, tiny_model_dir, tmp_path):
+    """16 generations in flight at once (the engine's concurrent_calls) while the server pulls a new version: each
+    generation's logprobs are the trainer's under the one version it is stamped with, so no request ran across
+    the swap. Without the engine's SwapGate, the generations in flight at the pull came back stamped with the old
+    version and carried tokens sampled under the new one."""
+    run, store_uri = f"vswap{uuid.uuid4().hex[:8]}", (tmp_path / "store").as_uri()
+    bus = connect(f"local://{tmp_path / 'bus'}")
+    names = TopicNames(run)
+    bus.admin().create_topic(names.weights, partitions=1, compacted=True)
+    publisher = Publisher(WeightStore(store_uri, run), bus, names, "actor")
+    base = {k: v.detach().clone() for k, v in load_causal_lm(tiny_model_dir, "float32").state_dict().items()}
+    states = {1: perturbed(base, set(base), 0.5, seed=7)}
+    states[2] = perturbed(states[1], set(base), 0.5, seed=8)
+    shas = {}
+    for version in (1, 2):
+        publisher.publish(states[version], version)
+        assert publisher.wait(60)
+        shas[version] = publisher.announcements[-1].sha256
+    publisher.close()
+    engine = VLLMEngine(server.url, tiny_model_dir, startup_timeout_s=60)
+    engine.pull(store_uri, run, "actor", 1, shas[1])
+    batch = [prompt_ids(engine.tokenizer, p) for p in PROMPTS]
+    long = SamplingParams(max_new_tokens=64, temperature=1.0, stop_token_ids=())  # no stop: every row runs 64 tokens
+    results, errors, stop = [], [], threading.Event()
+
+    def generate_until_stopped():
+        try:
+            while not stop.is_set():
+                results.append((batch, engine.generate(batch, long)))
+        except Exception as e:  # noqa: BLE001 - the assertion below names it
+            errors.append(e)
+
+    threads = [threading.Thread(target=generate_until_stopped) for _ in range(engine.concurrent_calls)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 300
+    while len(results) < engine.concurrent_calls:  # every thread's first generation is back: all 16 are in flight
+        assert time.monotonic() < deadline and not errors, errors
+        time.sleep(0.05)
+    engine.pull(store_uri, run, "actor", 2, shas[2])
+    seen = len(results)
+    while len(results) < seen + engine.concurrent_calls:  # generations sent after the pull
+        assert time.monotonic() < deadline and not errors, errors
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(300)
+    engine.close()
+    assert not errors, errors
+    models = {}
+    for v in (1, 2):
+        models[v] = load_causal_lm(tiny_model_dir, "float32")
+        models[v].load_state_dict(states[v])
+    by_version = {1: 0, 2: 0}
+    for prompts, gens in results:
+        for g in gens:
+            by_version[g.version] += 1
+        version = gens[0].version
+        assert {g.version for g in gens} == {version}
+        gap = max_gap(models[version], prompts, gens, temperature=1.0)
+        assert gap < 1e-4, f"a generation stamped version {version} is off its logprobs by {gap}"
+    assert by_version[1] > 0 and by_version[2] > 0, by_version
