@@ -66,35 +66,36 @@ def test_arith_tiny_learns_and_stays_learned(tmp_path):
 @pytest.mark.learning
 def test_search_tiny_learns_with_the_tool_at_its_latency(tmp_path):
     """examples/search-tiny.yaml as shipped: `astraflow run` starts the search server (median 0.3 s, p99 3 s) and
-    the tiny search model learns to search and copy the code it found within 80 of the example's 300 steps, judged
-    at the end of those 80. (Over 200 steps one CI run at lr 2e-4 collapsed near step 105, as 5e-4 did near 160:
-    the example is not yet collapse-free; README "Learning that holds".) Every component exits 0; the worker's
-    tool calls were real."""
+    the tiny search model learns to search and copy the code it found, judged at the end of 200 of the example's
+    300 steps: past the steps where, without the example's KL to the initial model, runs lost the tool call's
+    format and stayed at reward 0 (near step 105 at lr 2e-4, 160 at 5e-4; README "Learning that holds"). Every
+    component exits 0; the worker's tool calls were real."""
     run = f"search{uuid.uuid4().hex[:8]}"
     s = summary_of(astraflow("run", "examples/search-tiny.yaml", f"run={run}", f"run_dir={tmp_path}",
-                             "policies.actor.steps=80"))
-    assert s["versions"] == {"actor": 80}, s
-    # last less first over 80 steps: +0.20..+0.40 in 7 runs (lr 5e-4 and 2e-4), each ending at its best; lr x10
-    # (2e-3) -0.13, the trust region taken away (tis at 5e-4) -0.35
-    assert_stayed_learned(s, 0.1)
+                             "policies.actor.steps=200"))
+    assert s["versions"] == {"actor": 200}, s
+    # scripts/bench_stability.py: last less first +0.39..+0.42 over 300 steps and 3 seeds, each ending within 0.99
+    # of its best; lr x10 (2e-3) -0.13 over 80 steps, the trust region and the KL taken away (tis at 5e-4) -0.35
+    assert_stayed_learned(s, 0.2)
     assert {c["exit_code"] for c in json.loads((tmp_path / "components.json").read_text()).values()} == {0}
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # most episodes searched: the worker's last report's calls against its episodes (groups x G 8) then (a count
     # against the 80 x 16 x 8 episodes trained missed the rollouts after the last report: 8785 in one CI run). The
     # policy may learn to answer without a search: one CI run made 8682 calls in 1333 x 8 episodes (0.81 each)
     last = max((m["values"] for m in metrics if m.get("kind") == "raas"), key=lambda v: v.get("groups_total", 0))
-    assert last["tool.search.calls_total"] >= 0.6 * 8 * last["groups_total"] > 0.6 * 8 * 16 * 40, last
+    assert last["tool.search.calls_total"] >= 0.6 * 8 * last["groups_total"] > 0.6 * 8 * 16 * 100, last
 
 
 @pytest.mark.slow
 def test_a_run_whose_reward_collapses_stops_there_and_keeps_its_best_checkpoint(tmp_path):
-    """search-tiny with the trust region taken away (correction tis: with one update per batch its clip never acts)
-    at lr 5e-4: the policy loses the search call's format within ~25 steps and the reward falls from ~0.35 to 0 for
-    good. With stop_on_collapse the trainer says so within a few steps, stops, and the run exits 1 with its summary,
-    the alert in it, and the checkpoint of the best reward window kept."""
+    """search-tiny with its guards taken away (no KL to the initial model; correction tis: with one update per batch
+    its clip never acts) at lr 5e-4: the policy loses the search call's format within ~25 steps and the reward
+    falls from ~0.35 to 0 for good. With stop_on_collapse the trainer says so within a few steps, stops, and the
+    run exits 1 with its summary, the alert in it, and the checkpoint of the best reward window kept."""
     run = f"collapse{uuid.uuid4().hex[:8]}"
     proc = astraflow("run", "examples/search-tiny.yaml", f"run={run}", f"run_dir={tmp_path}",
                      "policies.actor.steps=150", "policies.actor.trainer.correction=tis",
+                     "policies.actor.trainer.kl_coef=0",
                      "policies.actor.trainer.lr=5e-4", "policies.actor.checkpoint_every=5",
                      "policies.actor.stop_on_collapse=true")
     assert proc.returncode == 1, proc.stderr[-3000:]
