@@ -1,6 +1,6 @@
 """The data watchdog: a line per ``watchdog_s`` for each trainer whose version has not moved, naming what it waits
 for, and the verdict that ends a run whose data ran out (acquisition is done and everything was rolled out and
-filtered, yet a trainer holds less than a batch)."""
+filtered, yet a trainer reports it is starving: its wait for a batch found nothing)."""
 from __future__ import annotations
 
 import time
@@ -84,13 +84,15 @@ class DataWatchdog:
     def _starved(self, monitor: RunMonitor, policy: str, lags: dict, version: int, stalled_s: float,
                  step_s: float | None) -> bool:
         """Whether trainer ``policy``, stalled at ``version`` for ``stalled_s`` seconds, can get no more data:
-        acquisition has finished, every prompt has been rolled out and filtered (committed lags 0), the trainer
-        holds less than a batch (its :class:`TrainerProgress` against the end offsets of ``samples.<policy>``, less
-        one transaction marker per partition), and it has been stalled for over 3 of its newest step times (a step
-        can outlast ``watchdog_s``). The trainer's progress is read to the end of ``control`` at each look, so a
-        starved trainer is told at the first look after the stall. A progress at a newer version than the live
+        acquisition has finished, every prompt has been rolled out and filtered (committed lags 0), the trainer says
+        it is starving (its :class:`TrainerProgress`: its last wait for a batch ran out with nothing to train, the
+        trainer's own judgement, which RaaS's backpressure obeys too, rather than a second count of its backlog from
+        end offsets that include transaction markers), and it has been stalled for over 3 of its newest step times
+        (a step can outlast ``watchdog_s``). The trainer's progress is read to the end of ``control`` at each look,
+        so a starved trainer is told at the first look after the stall. A progress at a newer version than the live
         view's (whose trainer metrics came late) is recorded and is not starvation: :meth:`look` starts the stall
-        again at that version, so the verdict names the version the trainer is at. Unknowns (a bus that does not answer, no progress yet) are not starvation."""
+        again at that version, so the verdict names the version the trainer is at. Unknowns (a bus that does not
+        answer, no progress yet) are not starvation."""
         acquire = next((c for c in self.components if c.kind == "acquire"), None)
         if acquire is None or acquire.proc is None or acquire.proc.poll() != 0 or stalled_s < 3 * (step_s or 0.0):
             return False
@@ -103,14 +105,12 @@ class DataWatchdog:
         try:
             # to the end of control, not what one poll returned: a new reader's first polls return nothing
             progress = self._progress.read_to_end(timeout_s=PROGRESS_READ_S).get(f"trainer.{policy}")
-            ends = monitor.admin.end_offsets(self.names.samples(policy))
         except BusError:
             return False
         if progress is not None and progress.version > version:
             self._trained[policy] = progress.version
             return False
-        return (progress is not None and not progress.at_barrier
-                and sum(ends.values()) - len(ends) - progress.consumed < self.cfg.policies[policy].batch_groups)
+        return progress is not None and not progress.at_barrier and progress.starving
 
     def close(self) -> None:
         """Close its reader of ``control``, if it opened one.

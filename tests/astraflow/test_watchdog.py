@@ -25,7 +25,8 @@ def test_the_verdict_names_the_version_the_trainer_reported_not_the_live_views_o
     bus, names = connect(f"local://{tmp_path / 'bus'}"), TopicNames("dog")
     ensure_run_topics(bus.admin(), names, ["actor"])
     producer = bus.producer()
-    progress = TrainerProgress(policy="actor", version=1, consumed=16)  # trained one batch; none of its metrics yet
+    # trained one batch, then waited for the next in vain; none of its metrics yet
+    progress = TrainerProgress(policy="actor", version=1, consumed=16, starving=True)
     producer.send(names.control, encode(progress), key="trainer.actor", headers=headers_for(progress))
     producer.flush()
     acquire = Component("acquire", ["true"], tmp_path / "acquire.log", proc=subprocess.Popen(["true"]))
