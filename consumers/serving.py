@@ -152,6 +152,22 @@ class ServingStage:
             out[tp] = min(out.get(tp, b.offset), b.offset)
         return out
 
+    def progress_offsets(self) -> dict[TopicPartition, int]:
+        """:meth:`offsets_to_commit`, with each assigned partition that holds no buffered record moved on to the
+        consumer's position where that is further: past the transaction markers and aborted records that a poll
+        never returns, so that the group's committed lag is 0 when nothing waits for the trainer.
+
+        Raises:
+            topics.bus.BusError: the consumer's position could not be read.
+        """
+        out = self.offsets_to_commit()
+        buffered = {TopicPartition(b.topic, b.partition) for b in self._buffer}
+        free = [tp for tp in self.consumer.assignment() if tp not in buffered]
+        for tp, position in (self.consumer.position(free) if free else {}).items():
+            if position is not None and position > out.get(tp, -1):
+                out[tp] = position
+        return out
+
     def consumed(self) -> int:
         """Records of ``topic`` taken out of it so far: polled and no longer buffered (served or dropped).
 

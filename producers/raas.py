@@ -341,20 +341,15 @@ class RaasWorker:
     def inflight_groups(self, policy: str) -> tuple[int, int | None] | None:
         """Groups of ``policy`` produced but not yet taken by its filters and trainer (records), with the version
         its trainer trains the first of them at (None: not known yet); None when its trainer has finished or waits
-        at a barrier for its peers (it holds no rollout back). While its trainer reports it is starving (it waited
-        its poll timeout and got nothing to train), the trainer's share is 0: only the filters' lag counts, so
-        offsets the trainer will never read (aborted transactions, a lost heartbeat's position) cannot hold the
-        worker at its limit while the trainer waits for data.
+        at a barrier for its peers (it holds no rollout back).
 
-        The filters' share is their committed lag on ``trajectories.<policy>`` (they commit every
-        transaction). The trainer's is the end offsets of ``samples.<policy>`` minus its position:
-        the newer of its :class:`TrainerProgress` heartbeat (``consumed``, before it takes the batch of
-        ``version``) and its newest weight announcement (``samples_consumed``, after the batch that made
-        ``version``, which trains the next one), each with its own version. With neither yet, it is the trainer
-        group's committed lag less ``checkpoint_every x batch_groups`` (trainers commit only at checkpoints), the
-        whole of ``samples.<policy>`` when the group has committed nothing (a trainer still starting: RaaS rolled
-        out 97 groups of the solver-verifier pipeline while its trainers loaded, and they dropped 17 as stale). On
-        Kafka, the transaction marker after a partition's last record adds one per partition.
+        Both shares are committed lags, durable state that every reader sees alike: the filters' on
+        ``trajectories.<policy>`` (they commit every transaction) and the trainer's on ``samples.<policy>`` (it
+        commits its position after every step; the whole topic while it has committed nothing, a trainer still
+        starting). While its trainer reports it is starving (its :class:`TrainerProgress`: its last wait for a batch
+        found nothing to train) its share is 0, so offsets it will never read (aborted transactions, transaction
+        markers) cannot hold the worker at its limit while the trainer waits for data: backpressure never decides
+        progress. The version is the newer of the trainer's progress report and its newest weight announcement.
 
         Raises:
             BusError: the bus did not answer, or the topics do not exist.
@@ -363,24 +358,13 @@ class RaasWorker:
         if progress is not None and (progress.finished or progress.at_barrier):
             return None
         total = sum(self.admin.group_lag(self.names.filter_group(policy), self.names.trajectories(policy)).values())
+        puller = self.pullers[policy]
+        versions = [v for v in (progress.version if progress is not None else None, puller.newest) if v is not None]
+        version = max(versions) if versions else None
         if progress is not None and progress.starving:  # it found nothing to train: nothing of it is in flight
-            return total, progress.version
-        puller, pc = self.pullers[policy], self.cfg.policies[policy]
-        announced = puller.announced.get(puller.newest) if puller.newest is not None else None
-        # (position, the version the group at it is trained at): each report's version goes with its own position
-        reports = [(progress.consumed, progress.version)] if progress is not None and progress.consumed is not None \
-            else []
-        if announced is not None and announced.samples_consumed is not None:
-            reports.append((announced.samples_consumed, announced.version))
-        if reports:
-            position, version = max(reports)
-            return total + max(0, sum(self.admin.end_offsets(self.names.samples(policy)).values()) - position), version
-        group, topic = self.names.trainer_group(policy), self.names.samples(policy)
-        committed = self.admin.group_offsets(group, topic)
-        lag = sum(self.admin.group_lag(group, topic, committed).values())
-        if all(off is None for off in committed.values()):  # it has not trained yet: it read nothing
-            return total + lag, None
-        return total + max(0, lag - pc.checkpoint_every * pc.batch_groups), None
+            return total, version
+        trainer = sum(self.admin.group_lag(self.names.trainer_group(policy), self.names.samples(policy)).values())
+        return total + trainer, version
 
     def commanded(self) -> tuple[str, str, int | None]:
         """What the operators' and controllers' commands on ``control`` (:class:`~topics.schemas.Control`)

@@ -11,7 +11,10 @@ metrics go out. Every ``checkpoint_every`` steps (and at the end):
    is written atomically;
 3. the consumed offsets are committed on the bus.
 
-A restart loads the latest checkpoint and seeks to its offsets: steps after the
+Between checkpoints the group's position is committed after every step too (:meth:`TrainerService._commit_progress`),
+so that the group's committed lag on ``samples.<policy>`` is what waits for this trainer: the one measure RaaS's
+in-flight count and the run's watchdog read. A restart does not resume from those commits: it loads the latest
+checkpoint and seeks to the offsets the checkpoint holds (to the beginning without one), so steps after the
 checkpoint are redone. A version number is never reused for other weights: when
 versions above the checkpoint's were already published (in the store) or recorded
 (on ``trained``) by the steps lost, the checkpoint's weights become the next free
@@ -188,7 +191,8 @@ class TrainerService:
         self.barrier = VersionBarrier(self.bus, self.names, cfg.barrier_peers) if cfg.barrier_peers else None
         self._pending: list[TrainedBatch] = []  # steps since the last checkpoint
         self._renumbered: list[tuple[int, int]] = []  # (checkpoint version, its new number), oldest first
-        self._committed: dict = {}
+        self._committed: dict = {}  # the offsets of the latest checkpoint
+        self._progress_committed: dict = {}  # the offsets last committed after a step (_commit_progress)
         self._store_logged = 0.0
         self._publish_alerted: tuple[int, int | None] = (0, None)  # (publish errors, version while failing)
         self._progress_sent: tuple[int, int, bool, bool, bool] | None = None
@@ -205,7 +209,10 @@ class TrainerService:
     def _resume(self) -> None:
         ckpt = load_latest(self.run_dir / CHECKPOINTS)
         self._command("restore", None if ckpt is None else str(ckpt.path))
-        if ckpt is not None:
+        if ckpt is None:
+            # nothing trained is durable: read samples.<policy> from its start, not from the commits of lost steps
+            self.consumer.seek_to_beginning()
+        else:
             self.trainer.restore(ckpt)
             self.serving.load_state_dict(ckpt.serving, ckpt.offsets)
             self._committed = self.serving.offsets_to_commit()
@@ -276,8 +283,32 @@ class TrainerService:
             self._keep_if_best(path)
         # the checkpoint is durable: a commit refused while the broker restarts (NOT_COORDINATOR, seen) is retried
         patiently(f"trainer.{self.config.trainer.policy}: commit", lambda: self.serving.commit(offsets), log=log)
-        self._committed = offsets
+        self._committed = self._progress_committed = offsets
+        self._commit_progress()  # on past the transaction markers after them
         return path
+
+    def _commit_progress(self) -> None:
+        """Commit the group's position after a step (the records trained or dropped, the buffered ones not, and the
+        transaction markers after them: :meth:`~consumers.serving.ServingStage.progress_offsets`), so the committed
+        lag on ``samples.<policy>`` is what waits for this trainer (module docstring); a restart resumes from its
+        checkpoint's offsets, not these. A commit the bus refuses is logged at debug level and made again after the
+        next step.
+
+        Raises:
+            topics.bus.FatalBusError: the consumer is unusable (a restart resumes from the checkpoint).
+        """
+        try:
+            offsets = self.serving.progress_offsets()
+            if not offsets or offsets == self._progress_committed:
+                return
+            self.serving.commit(offsets)
+        except FatalBusError:
+            raise
+        except BusError as e:
+            log.debug("trainer %s: progress commit after version %d refused (%s); the next step commits it",
+                      self.config.trainer.policy, self.trainer.version, e)
+            return
+        self._progress_committed = offsets
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
         """Train until ``steps`` steps on the lineage (:attr:`steps_done`), ``idle_exit_s`` without data, or
@@ -356,6 +387,8 @@ class TrainerService:
                 steps_run += 1
                 if self.trainer.version % cfg.checkpoint_every == 0:
                     self.checkpoint()
+                else:
+                    self._commit_progress()
                 if self.collapsed is not None:
                     break
             if self._pending:

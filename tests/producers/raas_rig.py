@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from astraflow.config import RunConfig, load_config
 from producers.acquisition import acquire_run
 from producers.raas import RaasWorker
-from topics.bus import Bus, connect
+from topics.bus import Bus, TopicPartition, connect
 from topics.codec import encode, headers_for
 from topics.follow import LatestByKey
 from topics.layout import ensure_run_topics
@@ -62,6 +62,21 @@ class RaasRun:
     def worker(self, worker_id: int = 0) -> RaasWorker:
         """A RaaS worker of this run (the caller closes it)."""
         return RaasWorker(self.cfg.raas_section(), worker_id, self.bus)
+
+    def commit_trainer(self, lag: int) -> None:
+        """Commit the trainer group's offsets on ``samples.actor`` ``lag`` offsets short of the end (summed over
+        partitions), as a trainer commits its position after each step."""
+        offsets = {}
+        for partition, end in sorted(self.bus.admin().end_offsets(self.names.samples("actor")).items()):
+            short = min(lag, end)
+            offsets[TopicPartition(self.names.samples("actor"), partition)] = end - short
+            lag -= short
+        assert lag == 0, f"samples.actor has fewer offsets than the lag asked for ({lag} left)"
+        consumer = self.bus.consumer(self.names.trainer_group("actor"), client_id="rig-trainer")
+        try:
+            consumer.commit(offsets)
+        finally:
+            consumer.close()
 
     def report_progress(self, version: int, consumed: int, finished: bool = False, starving: bool = False) -> None:
         """Send the trainer's :class:`TrainerProgress` heartbeat for ``actor`` (flushed)."""

@@ -1,8 +1,7 @@
 """RaaS backpressure, per policy: a worker stops at raas.max_inflight_groups groups waiting for the
-filter and trainer (all of them while the trainer has reported and committed nothing), resumes by exactly what the
-trainer reports it has consumed (its weight announcement, or its progress heartbeat without a new version), and a
-finished trainer holds nothing. While the groups in flight cannot be counted (a bus error), the worker stays paused
-until the bus answers."""
+filter and trainer (all of them while the trainer has committed nothing), resumes by exactly what the trainer group
+has committed (a trainer commits its position after every step), and a finished or starving trainer holds nothing.
+While the groups in flight cannot be counted (a bus error), the worker stays paused until the bus answers."""
 import logging
 
 from policies.config import policy_spec
@@ -31,7 +30,7 @@ def _publish(run, tiny_model_dir, version: int, samples_consumed: int) -> None:
         pub.close()
 
 
-def test_pauses_at_max_inflight_and_resumes_by_the_announced_position(tmp_path, bus_url, tiny_model_dir):
+def test_pauses_at_max_inflight_and_resumes_by_the_trainers_committed_position(tmp_path, bus_url, tiny_model_dir):
     run = acquired_run(run_config(tmp_path, bus_url, tiny_model_dir, prompts=40, max_inflight_groups=8), 2)
     worker, produced = run.worker(), run.produced
     try:
@@ -49,13 +48,14 @@ def test_pauses_at_max_inflight_and_resumes_by_the_announced_position(tmp_path, 
         assert values["paused"] == 1.0 and values["paused_frac"] > 0.95
 
         _filter_all(run, 8)
-        # All 8 wait in samples, and the trainer has reported and committed nothing (still loading): it has read
-        # nothing, so all 8 stay in flight (not checkpoint_every x batch_groups fewer, which let 16 through)
+        # All 8 wait in samples, and the trainer has committed nothing (still loading): it has read nothing, so
+        # all 8 stay in flight
         for _ in range(20):
             worker.step()
         assert produced() == 8
-        # The filter moved all 8 to samples; the trainer announces version 1 at a position 6 offsets
-        # short of the end (offsets, not records: on Kafka, transaction markers take offsets too).
+        # The trainer trains version 1 and commits its position 6 offsets short of the end (offsets, not records:
+        # on Kafka, transaction markers take offsets too); it publishes version 1.
+        run.commit_trainer(6)
         _publish(run, tiny_model_dir, 1, run.samples_end() - 6)
         for _ in range(20):
             worker.step()
@@ -63,9 +63,9 @@ def test_pauses_at_max_inflight_and_resumes_by_the_announced_position(tmp_path, 
         assert produced() == 10  # 6 in flight: one more batch, then 8 again
         assert "8 groups of actor in flight" in worker.paused_reason
 
-        # A heartbeat, no new version (e.g. the trainer dropped stale groups): the trainer is at the
-        # end of samples; 2 groups still wait for the filter. Rolls out to 8 in flight again.
-        run.report_progress(1, run.samples_end())
+        # No new version, but the trainer's commit moved (e.g. it dropped stale groups): the trainer is at the end
+        # of samples; 2 groups still wait for the filter. Rolls out to 8 in flight again.
+        run.commit_trainer(0)
         for _ in range(20):
             worker.step()
         assert produced() == 16 and "8 groups of actor in flight" in worker.paused_reason
@@ -104,6 +104,7 @@ def test_a_batch_that_would_be_trained_too_stale_is_not_rolled_out(tmp_path, bus
         # The trainer takes all 4 (the filter moved them) and publishes version 2; the engine pulls it.
         _filter_all(run, 4)
         end = run.samples_end()
+        run.commit_trainer(0)
         _publish(run, tiny_model_dir, 2, end)
         run.report_progress(2, end)
         for _ in range(10):
@@ -150,11 +151,11 @@ def test_a_bus_error_counting_the_groups_in_flight_keeps_the_worker_paused_until
 
 def test_a_starving_trainer_releases_the_limit_that_groups_it_will_never_train_hold(tmp_path, bus_url,
                                                                                       tiny_model_dir):
-    """Groups on ``samples.actor`` that the trainer took and dropped (stale, or duplicates) while its heartbeat
-    saying so was lost (queued, unflushed, when it was killed) still count in ``end offsets - position``; so do
-    offsets no trainer will ever read (aborted transactions). With them at the limit the worker pauses while the
-    trainer has nothing to train: a deadlock (the worker waits for the trainer, the trainer for data). The trainer
-    reports it is starving, and the worker rolls out again, its limit then held by the filters' lag alone."""
+    """Offsets on ``samples.actor`` that the trainer group's commits will not pass soon (aborted transactions,
+    records taken and dropped by a trainer killed before its next commit) count in its committed lag. With them at
+    the limit the worker pauses while the trainer has nothing to train: a deadlock (the worker waits for the trainer,
+    the trainer for data). The trainer reports it is starving, and the worker rolls out again, its limit then held by
+    the filters' lag alone."""
     run = acquired_run(run_config(tmp_path, bus_url, tiny_model_dir, prompts=40, max_inflight_groups=8), 2)
     worker, produced = run.worker(), run.produced
     dropped = run.bus.producer()
@@ -163,7 +164,8 @@ def test_a_starving_trainer_releases_the_limit_that_groups_it_will_never_train_h
             dropped.send(run.names.samples("actor"), b"taken and dropped by the trainer", key=f"g{i}")
         dropped.flush()
         assert run.samples_end() >= 8
-        run.report_progress(0, 0)  # the last heartbeat that got through: before it took those 8
+        run.commit_trainer(8)  # its last commit: before those 8
+        run.report_progress(0, 0)
         for _ in range(20):
             worker.step()
         assert produced() == 0 and "8 groups of actor in flight" in worker.paused_reason, worker.paused_reason
