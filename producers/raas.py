@@ -349,7 +349,7 @@ class RaasWorker:
         starting). While its trainer reports it is starving (its :class:`TrainerProgress`: its last wait for a batch
         found nothing to train) its share is 0, so offsets it will never read (aborted transactions, transaction
         markers) cannot hold the worker at its limit while the trainer waits for data: backpressure never decides
-        progress. The version is the newer of the trainer's progress report and its newest weight announcement.
+        progress. The version is the newer of the trainer's progress report and its newest durable weight version.
 
         Raises:
             BusError: the bus did not answer, or the topics do not exist.
@@ -358,8 +358,9 @@ class RaasWorker:
         if progress is not None and (progress.finished or progress.at_barrier):
             return None
         total = sum(self.admin.group_lag(self.names.filter_group(policy), self.names.trajectories(policy)).values())
-        puller = self.pullers[policy]
-        versions = [v for v in (progress.version if progress is not None else None, puller.newest) if v is not None]
+        # a version announced but not stored (a ghost) is not the trainer's: the newest durable one is
+        versions = [v for v in (progress.version if progress is not None else None,
+                                self.pullers[policy].newest_durable()) if v is not None]
         version = max(versions) if versions else None
         if progress is not None and progress.starving:  # it found nothing to train: nothing of it is in flight
             return total, version
