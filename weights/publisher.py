@@ -130,8 +130,8 @@ class Publisher:
             state_dict: name -> tensor (any device; same names, shapes and dtypes every call).
             version: strictly greater than every earlier ``version``.
             samples_consumed: the trainer's position on ``samples.<policy>`` after the batch that made
-                ``version`` (records, summed over partitions); the announcement carries it, and RaaS
-                workers pace themselves by it.
+                ``version`` (records, summed over partitions); the announcement carries it, so a reader of
+                ``weights`` knows how much data each version saw (RaaS's backpressure reads committed lags).
 
         Returns:
             Seconds spent copying (the only time the caller waits).
