@@ -148,7 +148,11 @@ class VLLMEngine(Engine):
             if not sums or any(s != (sha256 or sums[0]) for s in sums):
                 raise EngineUpdateError(f"version {version} of {policy!r}: the server's workers report checksums "
                                         f"{sums}, the announcement says {sha256}")
-            self._post("/reset_prefix_cache")
+            try:
+                self._post("/reset_prefix_cache")
+            except RuntimeError as e:  # the next sync pulls again (only what changed) and resets the cache then
+                raise EngineUpdateError(f"version {version} of {policy!r} loaded, but the server's prefix cache of "
+                                        f"the old weights was not reset: {e}") from None
             self._version = int(version)
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:

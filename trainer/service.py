@@ -209,10 +209,10 @@ class TrainerService:
     def _resume(self) -> None:
         ckpt = load_latest(self.run_dir / CHECKPOINTS)
         self._command("restore", None if ckpt is None else str(ckpt.path))
-        if ckpt is None:
-            # nothing trained is durable: read samples.<policy> from its start, not from the commits of lost steps
-            self.consumer.seek_to_beginning()
-        else:
+        # Nothing after the checkpoint is durable: each partition is read from the checkpoint's offset (a seek, which
+        # wins over this default), every other one from its start, never from the group's commits of lost steps
+        self.consumer.seek_to_beginning()
+        if ckpt is not None:
             self.trainer.restore(ckpt)
             self.serving.load_state_dict(ckpt.serving, ckpt.offsets)
             self._committed = self.serving.offsets_to_commit()
@@ -287,6 +287,13 @@ class TrainerService:
         self._commit_progress()  # on past the transaction markers after them
         return path
 
+    def _while_waiting(self) -> None:
+        """After each poll while the trainer waits for a batch: report its progress, and commit its position (the
+        first commit after a (re)start is the resume point, so a consumer re-created or rebalanced later in this
+        process resumes there, not at an earlier process's commits; stale drops release their credit at once)."""
+        self.report_progress(starving=self._starving)
+        self._commit_progress()
+
     def _commit_progress(self) -> None:
         """Commit the group's position after a step (the records trained or dropped, the buffered ones not, and the
         transaction markers after them: :meth:`~consumers.serving.ServingStage.progress_offsets`), so the committed
@@ -341,10 +348,11 @@ class TrainerService:
                     break
                 # RaaS throttles on this trainer's position: report it while waiting too (stale drops move it)
                 batch = self.serving.next_batch(self.trainer.version, timeout_s=cfg.poll_timeout_s,
-                                                on_poll=lambda: self.report_progress(starving=self._starving))
-                self._starving = batch is None  # it says so until it holds a batch again
+                                                on_poll=self._while_waiting)
+                # it says so until it holds a batch again; a trainer without partitions (a rebalance) is not starving
+                self._starving = batch is None and bool(self.consumer.assignment())
                 if batch is None:
-                    self.report_progress(starving=True)
+                    self.report_progress(starving=self._starving)
                     if self.serving.offsets_to_commit() != self._committed:
                         # Starved: checkpoint now, so the committed offsets (the lag `status`
                         # shows, and RaaS backpressure before this trainer's first announcement)

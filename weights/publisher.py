@@ -112,6 +112,7 @@ class Publisher:
         self._chain_bytes = 0
         self._chain_len = 0
         self._chain_root: str | None = None  # key of the full snapshot the current delta chain starts from
+        self._lost_root: str | None = None  # the chain root last found missing (counted and logged once)
         self.store_lost = 0
         self._dense_streak = 0  # versions in a row whose delta was not sparse enough
         self._skip_deltas = 0  # versions left to publish full without trying a delta (rule 2)
@@ -278,9 +279,18 @@ class Publisher:
         """``store.put`` with retries: a transient store failure costs a back-off, not the version."""
         self._retrying("put", key)(self.store.put, key, data)
 
-    def _exists(self, key: str) -> bool:
-        """``store.exists`` with the retries of :meth:`_put`."""
-        return self._retrying("head", key)(self.store.exists, key)
+    def _chain_lost(self) -> bool:
+        """Whether the store answered that the full snapshot the delta chain starts from is gone (one HEAD request).
+        A store that does not answer, or refuses the request (an S3 HEAD of a missing key without list rights
+        answers 403), tells nothing: the version's own upload meets the failure, if any, and the next version
+        asks again."""
+        if self._chain_root is None:
+            return False
+        try:
+            return not self.store.exists(self._chain_root)
+        except StoreError as e:
+            log.debug("publisher %s: cannot tell whether %s is stored (%s)", self.policy, self._chain_root, e)
+            return False
 
     def _publish_one(self, version: int, buf: Buffer, samples_consumed: int | None) -> str:
         started = time.perf_counter()
@@ -289,13 +299,15 @@ class Publisher:
         if self._base is not None and self._skip_deltas > 0:
             self._skip_deltas -= 1
             reason = f"the last {self._dense_streak} deltas tried were over {self.max_delta_fraction:.0%} of full"
-        elif self._base is not None and self._chain_root is not None and not self._exists(self._chain_root):
-            self.store_lost += 1
+        elif self._base is not None and self._chain_lost():
             reason = f"the store lost {self.store.uri_of(self._chain_root)}, where the delta chain starts"
-            log.error("publisher %s: weight store %s no longer holds %s, the full snapshot that versions after it are "
-                      "deltas of (was the store deleted or pruned from outside the run?); version %d is published "
-                      "full so workers joining from now on can start", self.policy, self.store.uri,
-                      self.store.uri_of(self._chain_root), version)
+            if self._lost_root != self._chain_root:  # once per lost snapshot, not again on a retried publish
+                self._lost_root = self._chain_root
+                self.store_lost += 1
+                log.error("publisher %s: weight store %s no longer holds %s, the full snapshot that versions after it "
+                          "are deltas of (was the store deleted or pruned from outside the run?); version %d is "
+                          "published full so workers joining from now on can start", self.policy, self.store.uri,
+                          self.store.uri_of(self._chain_root), version)
         elif self._base is not None:
             base_version, base_buf, base_sha = self._base
             delta = encode_delta(base_buf, buf, base_version=base_version, version=version, level=self.level,
