@@ -53,14 +53,16 @@ class PolicyConfig(RolloutPolicyConfig):
     """One trained policy: its model, engine (:class:`~producers.config.RolloutPolicyConfig`), trainer and data
     policies."""
 
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="its trainer: optimiser and loss "
+                                   "(trainer/config.py)")
     steps: int = Field(default=100, ge=1, description="training steps on the lineage of the final weights, then stop "
                        "(the final version is higher by the versions a resume skipped: trainer/service.py)")
     keep_versions: int | None = Field(default=None, ge=1, description="weight versions kept in the store: after each "
                                       "publish, objects no chain to the newest N needs are deleted; None keeps all")
     filters: list[FilterSpec] = Field(default_factory=lambda: [AcceptAllConfig(name="accept_all")],
                                       description="the filter chain, in order (policies/config.py)")
-    filter_processor: FilterProcessorConfig = Field(default_factory=FilterProcessorConfig)
+    filter_processor: FilterProcessorConfig = Field(default_factory=FilterProcessorConfig, description="its filter "
+                                                    "processors: how many, and their transaction shape")
     serving: list[ServingSpec] = Field(default_factory=list, description="at most one serving policy, e.g. "
                                        "[{name: replay, ratio: 0.5}] (policies/config.py)")
     stop_on_collapse: bool = Field(default=False, description="stop the run, exiting non-zero, when this policy's "
@@ -83,10 +85,11 @@ class PolicyConfig(RolloutPolicyConfig):
 class EvalConfig(_Strict):
     """Evaluation: pass@1 as avg@k."""
 
-    benchmarks: list[str] = Field(default_factory=list)
-    k: int = Field(default=4, ge=1)
-    temperature: float = Field(default=0.6, gt=0)
-    limit: int | None = Field(default=None, ge=1)
+    benchmarks: list[str] = Field(default_factory=list, description="benchmarks to evaluate; empty: gsm8k, math500, "
+                                  "humaneval, mbpp")
+    k: int = Field(default=4, ge=1, description="samples per prompt")
+    temperature: float = Field(default=0.6, gt=0, description="sampling temperature")
+    limit: int | None = Field(default=None, ge=1, description="first N prompts per benchmark; None: all")
 
 
 class TrackingConfig(_Strict):
@@ -121,13 +124,14 @@ class PlacementConfig(_Strict):
     {cpus: [0], threads: 1}`` pins every trainer process (all its ranks) to CPU 0 with one thread. Components
     started on their own (``astraflow raas ...``, compose, Kubernetes) are placed by whoever starts them."""
 
-    acquire: Placement = Field(default_factory=Placement)
-    raas: Placement = Field(default_factory=Placement)
+    acquire: Placement = Field(default_factory=Placement, description="acquisition")
+    raas: Placement = Field(default_factory=Placement, description="the RaaS workers")
     policy: Placement = Field(default_factory=Placement, description="the filter processors")
-    trainer: Placement = Field(default_factory=Placement)
-    controller: Placement = Field(default_factory=Placement)
-    exporter: Placement = Field(default_factory=Placement)
-    tracker: Placement = Field(default_factory=Placement)
+    trainer: Placement = Field(default_factory=Placement, description="the trainers, every rank; a policy's "
+                               "trainer_placement overrides it field by field")
+    controller: Placement = Field(default_factory=Placement, description="the scaling controller")
+    exporter: Placement = Field(default_factory=Placement, description="the Prometheus exporter")
+    tracker: Placement = Field(default_factory=Placement, description="the tracker (TensorBoard, W&B)")
     search: Placement = Field(default_factory=Placement, description="the search tool's server")
 
 
@@ -154,7 +158,7 @@ class ControllerConfig(_Strict):
     or ``kubernetes`` (the scale of the Deployment ``k8s_deployment``). Each actuator's fields are refused with
     another actuator."""
 
-    enabled: bool = False
+    enabled: bool = Field(default=False, description="astraflow run starts the controller")
     actuator: Literal["local", "compose", "kubernetes"] = Field(
         default="local", description="who carries a decision out: local (the launcher of astraflow run), compose "
                                      "or kubernetes (astraflow controller, after the decision is on control)")
@@ -171,8 +175,8 @@ class ControllerConfig(_Strict):
                                         "service account in a cluster, else $KUBECONFIG or ~/.kube/config")
     apply_timeout_s: float = Field(default=30.0, gt=0, description="compose, kubernetes: seconds one try to carry "
                                    "a decision out may take; a failed try is retried every interval_s")
-    min_workers: int = Field(default=1, ge=1)
-    max_workers: int = Field(default=4, ge=1)
+    min_workers: int = Field(default=1, ge=1, description="fewest RaaS workers it scales down to")
+    max_workers: int = Field(default=4, ge=1, description="most RaaS workers it scales up to")
     starved_above: float = Field(default=0.3, ge=0, le=1, description="trainer wait_frac above this: scale up")
     busy_below: float = Field(default=0.05, ge=0, le=1, description="trainer wait_frac below this (and workers "
                               "paused by backpressure): scale down")
@@ -240,27 +244,32 @@ class MetricsSection(RunAddress):
 class RunConfig(_Strict):
     """A whole run. ``bus`` and ``store`` default to the embedded bus and a local store in ``run_dir``."""
 
-    run: str = Field(default="astraflow", pattern=r"^[A-Za-z0-9._-]+$")
+    run: str = Field(default="astraflow", pattern=r"^[A-Za-z0-9._-]+$", description="the run name every topic and "
+                     "group is prefixed with")
     run_dir: Path | None = Field(default=None, description="default: runs/<run>")
     bus: str | None = Field(default=None, description="kafka://host:port or local://PATH")
     kafka: KafkaSecurity = Field(default_factory=KafkaSecurity,
                                  description="SASL and TLS of a kafka:// bus; unset fields come from the "
                                              "ASTRAFLOW_KAFKA_<FIELD> environment variables")
     store: str | None = Field(default=None, description="file:///abs/dir or s3://bucket/prefix")
-    seed: int = 0
-    policies: dict[str, PolicyConfig] = Field(min_length=1)
-    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    seed: int = Field(default=0, description="seed of the sources' own sampling (arith) and of evaluation's sampling")
+    policies: dict[str, PolicyConfig] = Field(min_length=1, description="the trained policies, by name")
+    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig, description="the agent workflow and which "
+                                     "policy plays each role")
+    data: DataConfig = Field(default_factory=DataConfig, description="acquisition: the prompt sources, G, epochs "
+                             "and bad records")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="rollout sampling")
     curators: list[CuratorSpec] = Field(default_factory=list, description="the curators acquisition's prompts "
                                         "pass, in order (policies/config.py)")
-    raas: RaasConfig = Field(default_factory=RaasConfig)
-    tools: ToolsConfig = Field(default_factory=ToolsConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    exporter: ExporterConfig = Field(default_factory=ExporterConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    controller: ControllerConfig = Field(default_factory=ControllerConfig)
-    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    raas: RaasConfig = Field(default_factory=RaasConfig, description="the rollout (RaaS) workers")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="the tools agent episodes may call")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation: pass@1 as avg@k")
+    exporter: ExporterConfig = Field(default_factory=ExporterConfig, description="the Prometheus exporter")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="TensorBoard and W&B (the tracker)")
+    controller: ControllerConfig = Field(default_factory=ControllerConfig, description="the rollout scaling "
+                                         "controller")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="the CPUs, threads and "
+                                       "niceness astraflow run gives each kind of component")
     coupling: Literal["independent", "barrier"] = Field(
         default="independent", description="independent trainers, or lockstep versions across policies")
     max_wall_s: float | None = Field(default=None, gt=0, description="stop the run after this many seconds")

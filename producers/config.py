@@ -22,10 +22,12 @@ class _Strict(BaseModel, extra="forbid"):
 class SourceConfig(_Strict):
     """One prompt source: a registered name (``arith``, ``gsm8k``, ``math500``, ...) or a file path."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="a built-in source (arith, gsm8k, math500, ...) or a dataset file or "
+                      "directory, whose stem names the source")
     weight: float = Field(default=1.0, gt=0, description="mixing weight across sources")
     adapter: str | None = Field(default=None, description="record adapter for a file source")
-    split: str | None = None
+    split: str | None = Field(default=None, description="split of a saved HF DatasetDict; None: train, or its only "
+                              "split")
     limit: int | None = Field(default=None, ge=1, description="use only the first N records")
 
 
@@ -37,11 +39,12 @@ class DataConfig(_Strict):
     with ``strict`` it stops there instead and exits non-zero (``producers/acquisition.py``).
     """
 
-    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(name="arith")], min_length=1)
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(name="arith")], min_length=1,
+                                        description="the prompt sources, mixed by weight")
     n_samples: int = Field(default=8, ge=2, description="G: samples per prompt, at least 2 (GRPO's advantage is a "
                            "reward minus its group's mean: a group of one never learns)")
-    epochs: int = Field(default=1, ge=1)
-    shuffle_seed: int = 0
+    epochs: int = Field(default=1, ge=1, description="passes over each source")
+    shuffle_seed: int = Field(default=0, description="seed of each epoch's shuffle of a source's records")
     max_outstanding: int = Field(default=256, ge=1, description="prompts written but not yet taken by RaaS")
     max_prompt_chars: int | None = Field(
         default=32768, ge=1, description="longest prompt acquisition accepts, counted in characters of the prompt's "
@@ -68,8 +71,9 @@ class SamplingConfig(_Strict):
     """Rollout sampling. The trainer divides logits by the same temperature."""
 
     max_new_tokens: int = Field(default=8, ge=1, description="tokens per turn")
-    temperature: float = Field(default=1.0, gt=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: float = Field(default=1.0, gt=0, description="sampling temperature; the trainer divides logits by "
+                               "it too")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling mass; 1: off")
 
 
 
@@ -141,7 +145,8 @@ class VLLMConfig(_Strict):
 class WorkflowConfig(_Strict):
     """The agent workflow and which policy plays each of its roles."""
 
-    name: str = "single_turn"
+    name: str = Field(default="single_turn", description="the registered workflow, e.g. single_turn, multi_turn, "
+                      "search_agent")
     module: str | None = Field(default=None, description="a user's module to import first, which registers the "
                                "workflow `name` (@register_workflow); found on sys.path or in the working directory")
     roles: dict[str, str] = Field(default_factory=dict, description="role -> policy name")
@@ -184,7 +189,8 @@ class WorkflowConfig(_Strict):
 class RaasConfig(_Strict):
     """Rollout workers."""
 
-    workers: int = Field(default=1, ge=1)
+    workers: int = Field(default=1, ge=1, description="RaaS worker processes astraflow run starts (the scaling "
+                         "controller's starting point)")
     batch_prompts: int = Field(default=8, ge=1, description="prompts per rollout batch")
     max_inflight_groups: int | None = Field(
         default=None, ge=1, description="per policy: pause while more of its groups than this wait for its filters "
@@ -239,8 +245,9 @@ class SearchToolConfig(_Strict):
     corpus: Path | None = Field(default=None, description="the started server's JSONL corpus ({doc_id, text} a "
                                 "line); None: the built-in producers/data/search_kb.jsonl")
     port: int | None = Field(default=None, ge=1, le=65535, description="the started server's port; None: a free one")
-    latency: SearchLatency = Field(default_factory=SearchLatency)
-    faults: SearchFaults = Field(default_factory=SearchFaults)
+    latency: SearchLatency = Field(default_factory=SearchLatency, description="the started server's latency per "
+                                   "request")
+    faults: SearchFaults = Field(default_factory=SearchFaults, description="faults the started server injects")
     seed: int = Field(default=0, description="seed of the started server's latency and fault draws")
     timeout_s: float = Field(default=5.0, gt=0, description="the client's bound on one call, seconds")
     top_k: int = Field(default=1, ge=1, description="results per call")

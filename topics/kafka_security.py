@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import SecretStr, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: The environment variable prefix of :class:`KafkaSecurity`'s fields.
@@ -46,14 +46,22 @@ class KafkaSecurity(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"] | None = None
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
-    ssl_ca_location: Path | None = None
-    ssl_certificate_location: Path | None = None
-    ssl_key_location: Path | None = None
-    ssl_verify_hostname: bool = True
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT", description="PLAINTEXT (no TLS, no authentication), SSL (TLS), SASL_PLAINTEXT (SASL "
+                                         "without TLS) or SASL_SSL (SASL over TLS)")
+    sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"] | None = Field(
+        default=None, description="the SASL mechanism; required with SASL_*")
+    sasl_username: str | None = Field(default=None, description="the SASL user name; required with SASL_*")
+    sasl_password: SecretStr | None = Field(default=None, description="the SASL password; required with SASL_*; "
+                                            "best given in the environment, not in a file")
+    ssl_ca_location: Path | None = Field(default=None, description="PEM file of the CA that signed the brokers' "
+                                         "certificates (SSL/SASL_SSL); None: the system's trust store")
+    ssl_certificate_location: Path | None = Field(default=None, description="PEM client certificate, for brokers "
+                                                  "that authenticate clients by TLS; with ssl_key_location")
+    ssl_key_location: Path | None = Field(default=None, description="PEM key of the client certificate; with "
+                                          "ssl_certificate_location")
+    ssl_verify_hostname: bool = Field(default=True, description="check that the broker's certificate names the host "
+                                      "connected to; turn off only for test certificates")
 
     @model_validator(mode="after")
     def _fits_protocol(self) -> "KafkaSecurity":

@@ -28,7 +28,8 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: str = Field(default="policy", min_length=1)
+    policy: str = Field(default="policy", min_length=1, description="the policy trained; the run config names it "
+                        "after its policy (leave unset)")
     # model and optimiser
     param_dtype: Literal["bfloat16", "float32"] = Field(
         default="bfloat16", description="the dtype the forward pass computes in and the weights are published in")
@@ -45,30 +46,36 @@ class TrainerConfig(BaseModel):
                        "torchrun; gloo on CPU, nccl on CUDA); 1: one plain process")
     zero_stage: int = Field(default=2, ge=2, le=3, description="ZeRO stage of the deepspeed backend")
     deepspeed: dict[str, Any] = Field(default_factory=dict, description="overrides of the DeepSpeed config dict")
-    lr: float = Field(default=1e-6, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = Field(default=1.0, gt=0)
-    temperature: float = Field(default=1.0, gt=0)
+    lr: float = Field(default=1e-6, gt=0, description="AdamW learning rate, per step")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW (beta1, beta2)")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="clip the gradients to this global L2 norm")
+    temperature: float = Field(default=1.0, gt=0, description="logits are divided by it before log_softmax; the run "
+                               "config sets it to sampling.temperature")
     # PPO / GRPO
     adv_scale_by_std: bool = Field(default=True, description="GRPO (True) or Dr. GRPO (False) advantages")
-    clip_low: float = Field(default=0.2, ge=0)
+    clip_low: float = Field(default=0.2, ge=0, description="PPO clip ε_low of the ratio (correction none and tis)")
     clip_high: float | None = Field(default=None, ge=0, description="DAPO clip-higher ε_high; None: = clip_low")
     dual_clip: float | None = Field(default=None, gt=1, description="dual-clip c: a token with a negative "
                                     "advantage weighs at most c x |A| (PPO's dual clip, and for m2po the tokens its "
                                     "trust region leaves unbounded); None: off")
-    correction: Correction = "tis"
-    tis_cap: float = Field(default=2.0, gt=0)
-    m2po_tau: float = Field(default=0.04, ge=0)
+    correction: Correction = Field(default="tis", description="off-policy correction: none (PPO-clip against the "
+                                   "behaviour policy), tis (decoupled PPO times a truncated importance weight) or "
+                                   "m2po (M2PO's second-moment trust region)")
+    tis_cap: float = Field(default=2.0, gt=0, description="tis: cap C of the weight min(π_old/π_behaviour, C)")
+    m2po_tau: float = Field(default=0.04, ge=0, description="m2po: bound on the second moment of the harmful tokens' "
+                            "log-ratios (the paper's τ_M2)")
     kl_coef: float = Field(default=0.0, ge=0, description="k3 KL to the initial model; 0 loads no reference")
-    entropy_coef: float = Field(default=0.0, ge=0)
-    loss_agg: AggMode = "token-mean"
+    entropy_coef: float = Field(default=0.0, ge=0, description="entropy bonus: the loss minus this times the mean "
+                                "token entropy")
+    loss_agg: AggMode = Field(default="token-mean", description="how per-token losses become one: token-mean (DAPO), "
+                              "seq-mean (GRPO) or seq-sum-norm (Dr. GRPO, needs norm_len)")
     norm_len: int | None = Field(default=None, gt=0, description="tokens; required by loss_agg=seq-sum-norm")
-    ppo_epochs: int = Field(default=1, ge=1)
+    ppo_epochs: int = Field(default=1, ge=1, description="passes over each step's batch, each in a new shuffle")
     mini_batch_size: int | None = Field(default=None, ge=1, description="samples per optimiser step; None: whole batch")
     micro_batch_size: int | None = Field(default=None, ge=1, description="samples per forward; None: whole mini-batch")
-    pad_token_id: int = 0
-    seed: int = 0
+    pad_token_id: int = Field(default=0, description="token id that pads the packed batch's sequences")
+    seed: int = Field(default=0, description="torch's seed, and with the version each step's mini-batch shuffle")
 
     @model_validator(mode="before")
     @classmethod
