@@ -1,6 +1,6 @@
 """A tool plugin: one class, named with its options under ``tools`` in a run config
-(``tools: {calculator: {class: "examples.plugins.calculator:Calculator", digits: 4}}``; README, "Writing a
-plugin"). A workflow calls it as ``tools["calculator"]`` from its ``rollout``.
+(``tools: {calculator: {class: "examples.plugins.calculator:Calculator", digits: 4}}``;
+docs/guides/plugins.md). A workflow calls it as ``tools["calculator"]`` from its ``rollout``.
 
 :class:`Calculator` evaluates an arithmetic expression (numbers, + - * / // % **, parentheses) read with
 :mod:`ast`, never ``eval``. As every tool, it answers in text and never raises for a failed call: a bad expression

@@ -1,5 +1,5 @@
 """Two data-policy plugins, each one class that a run config names as ``module:Class`` with its options
-(``examples/plugins/arith-tiny-plugins.yaml``; README, "Writing a plugin").
+(``examples/plugins/arith-tiny-plugins.yaml``; docs/guides/plugins.md).
 
 - :class:`RewardBand`, a filter: keep a group only while its mean reward lies in a band, so the trainer
   sees neither prompts it already solves nor ones it never solves.

@@ -1,6 +1,6 @@
 """A workflow plugin: one class that registers itself, and one config entry that names its module
-(``workflow: {name: short_answer, module: examples.plugins.short_answer, options: {penalty: 0.02}}``; README,
-"Writing a plugin").
+(``workflow: {name: short_answer, module: examples.plugins.short_answer, options: {penalty: 0.02}}``;
+docs/guides/plugins.md).
 
 :class:`ShortAnswer` rolls out one answer per sample, as ``single_turn`` does, and rewards it with the prompt's
 score minus ``penalty`` per generated token: among correct answers, the shorter learns faster.

@@ -68,7 +68,7 @@ def test_search_tiny_learns_with_the_tool_at_its_latency(tmp_path):
     """examples/search-tiny.yaml as shipped: `astraflow run` starts the search server (median 0.3 s, p99 3 s) and
     the tiny search model learns to search and copy the code it found, judged at the end of 200 of the example's
     300 steps: past the steps where, without the example's KL to the initial model, runs lost the tool call's
-    format and stayed at reward 0 (near step 105 at lr 2e-4, 160 at 5e-4; README "Learning that holds"). Every
+    format and stayed at reward 0 (near step 105 at lr 2e-4, 160 at 5e-4; docs/benchmarks, "Learning that holds"). Every
     component exits 0; the worker's tool calls were real."""
     run = f"search{uuid.uuid4().hex[:8]}"
     s = summary_of(astraflow("run", "examples/search-tiny.yaml", f"run={run}", f"run_dir={tmp_path}",

@@ -1,4 +1,4 @@
-"""The README's plugin example (examples/plugins/): its config loads, a misspelled option is refused when the config
+"""The plugin example of docs/guides/plugins.md (examples/plugins/): its config loads, a misspelled option is refused when the config
 is read (exit 2, the field named), and the plugins run on real groups and outcomes on the embedded bus."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ MODULE = "examples.plugins.reward_band"
 
 @pytest.fixture(autouse=True)
 def repo_on_path(monkeypatch):
-    """The plugins' module is importable from the repository root, where the README runs it."""
+    """The plugins' module is importable from the repository root, where the guide runs it."""
     monkeypatch.syspath_prepend(str(REPO))
 
 

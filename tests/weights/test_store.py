@@ -86,7 +86,7 @@ def test_local_put_is_atomic_for_concurrent_readers(tmp_path):
 
 
 def test_an_http_endpoint_from_the_environment_works(s3_uri, monkeypatch):
-    # The README's MinIO setup: everything from AWS_* variables, the endpoint plain http on loopback.
+    # The MinIO setup of docs/guides/scaling-out.md: everything from AWS_* variables, the endpoint plain http on loopback.
     uri, options = s3_uri
     monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint"])
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
