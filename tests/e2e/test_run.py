@@ -103,7 +103,8 @@ def test_a_run_whose_reward_collapses_stops_there_and_keeps_its_best_checkpoint(
     s = json.loads(proc.stdout.strip().splitlines()[-1])
     assert s["stopped_on_collapse"] == ["trainer.actor"] and s["complete"] is False, s
     assert s["collapses"]["actor"].startswith("reward collapsed at step"), s
-    assert s["steps"] < 150 and s["final_over_best"] < 0.5, s
+    # collapsed by the bench's measure too (its 20% windows are 4-5 steps here: the end can be on its way back up)
+    assert s["steps"] < 150 and s["final_over_best"] < COLLAPSED_BELOW, s
     best = load_checkpoint(tmp_path / "trainer.actor" / "best-checkpoint")
     assert best.version % 5 == 0 and WINDOW <= best.version < s["steps"], (best.version, s)
     assert (best.model_dir / "config.json").is_file()
