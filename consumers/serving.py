@@ -176,14 +176,18 @@ class ServingStage:
         """
         return sum(self._polled_end.values()) - len(self._buffer)
 
-    def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
-        """Commit ``offsets`` (default :meth:`offsets_to_commit`) for the consumer group.
+    def commit(self, offsets: dict[TopicPartition, int] | None = None, wait: bool = True) -> None:
+        """Commit ``offsets`` (default :meth:`offsets_to_commit`) for the consumer group; without ``wait``, without
+        waiting for the broker (:meth:`topics.bus.Consumer.commit_async`).
 
         Call only after the steps trained on everything before them are checkpointed.
+
+        Raises:
+            topics.bus.BusError: the commit was refused (with ``wait``: or it did not land).
         """
         offsets = self.offsets_to_commit() if offsets is None else offsets
         if offsets:
-            self.consumer.commit(offsets)
+            (self.consumer.commit if wait else self.consumer.commit_async)(offsets)
 
     # -- batches ------------------------------------------------------------
     def _ingest(self, polled, batch: ServedBatch) -> None:

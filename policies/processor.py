@@ -41,7 +41,7 @@ from topics.deadletter import ValidatingConsumer
 from topics.follow import Follower
 from topics.names import TopicNames
 from topics.patience import patiently
-from topics.reader_watch import ReaderWatch
+from topics.liveness import ProgressWatch
 from topics.schemas import Metric, PolicyState, Prompt, RolloutOutcome, TrajectoryGroup, WeightAnnouncement
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,8 @@ class FilterProcessor:
         self.consumer = bus.consumer(self.group, client_id=self.component, session_timeout_s=session_timeout_s,
                                      instance_id=self.component)
         self.consumer.subscribe([self.source])
-        #: names the positions when nothing comes, and stops a processor whose reads are blocked
-        self.reader_watch = ReaderWatch(self.consumer, bus.admin(), self.source, self.component, log)
+        #: the liveness rule: names the positions when nothing comes, and stops a processor whose reads are stalled
+        self.liveness = ProgressWatch(self.consumer, bus.admin(), self.source, self.group, self.component, log)
         self.reader = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, TrajectoryGroup)
         self.pending: Counter = Counter()  # counts not yet in a committed metrics record
         self.totals: Counter = Counter()
@@ -176,7 +176,7 @@ class FilterProcessor:
 
         Raises:
             BusError: the bus failed for longer than the patience, the producer was fenced, or the reads are
-                blocked (:class:`topics.reader_watch.ReaderWatch`).
+                stalled (:class:`topics.liveness.Stalled`).
         """
         stop = stop or threading.Event()
         last_read = time.monotonic()
@@ -184,10 +184,8 @@ class FilterProcessor:
             while not stop.is_set():
                 if patiently(f"{self.component}: transaction", self._step_or_recover, log=log):
                     last_read = time.monotonic()
-                elif self.consumer.assignment():
-                    self.reader_watch.check(last_read)
                 else:
-                    last_read = self.reader_watch.note_unassigned()
+                    self.liveness.check(last_read)
             self.metrics_interval_s = 0.0
             if self.pending:
                 patiently(f"{self.component}: transaction", self._step_or_recover, log=log)

@@ -71,6 +71,7 @@ from topics.patience import patiently
 from topics.codec import encode, headers_for
 from topics.deadletter import ValidatingConsumer, send_to_deadletter
 from topics.follow import LatestByKey
+from topics.liveness import ProgressWatch
 from topics.names import TopicNames
 from topics.schemas import Control, Metric, Prompt, RolloutOutcome, TrainerProgress, TrajectoryGroup
 from weights.models import resolve_model
@@ -235,6 +236,9 @@ class RaasWorker:
                                           instance_id=self.id)
         self.consumer.subscribe([self.names.prompts])
         self.prompts = ValidatingConsumer(self.consumer, self.producer, self.names.deadletter, Prompt)
+        #: the liveness rule: a worker that reads no prompt while prompts wait for it, not held, is stalled
+        self.liveness = ProgressWatch(self.consumer, self.admin, self.names.prompts,
+                                      self.names.raas_group(cfg.workflow.name), self.id, log)
         self.paused_reason = ""
         self.held_by_control = ""  # "pause" or "throttle" while a command on control holds this worker
         self.totals = {"prompts": 0, "groups": 0, "tokens": 0, "too_long": 0, "rollout_errors": 0}
@@ -709,14 +713,23 @@ class RaasWorker:
 
     def run(self, stop: threading.Event) -> None:
         """Roll out until ``stop`` is set; then leave the group. ``stop`` becomes every engine's
-        ``interrupt``, so it takes effect mid-batch, within a decode step (see :meth:`step`)."""
+        ``interrupt``, so it takes effect mid-batch, within a decode step (see :meth:`step`).
+
+        Raises:
+            topics.liveness.Stalled: the worker read no prompt for the liveness rule's ``stall_s`` while prompts
+                waited for it and nothing held it (:class:`topics.liveness.ProgressWatch`).
+        """
         for engine in self.engines.values():
             engine.interrupt = stop
         log.info("%s: joined %s on %s (policies %s)", self.id, self.names.raas_group(self.cfg.workflow.name),
                  self.names.prompts, self.policies)
+        last_busy = time.monotonic()
         try:
             while not stop.is_set():
-                self.step(stop)
+                if self.step(stop) or self.episodes or self.paused_reason:
+                    last_busy = time.monotonic()  # progress, episodes in flight, or held by backpressure or control
+                else:
+                    self.liveness.check(last_busy)
         finally:
             self.close()
 

@@ -170,6 +170,17 @@ class Consumer(abc.ABC):
             BusError: the commit was refused (for example this member lost the partition).
         """
 
+    def commit_async(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """Commit ``offsets`` without waiting for the broker's answer: a later commit supersedes one that has not
+        landed, and one that fails is dropped (the next carries the same or later offsets). For commits that signal
+        progress and are not the durability point of the work: a trainer's (its checkpoint holds the offsets it
+        resumes from), which then never waits on a broker outage. Default: :meth:`commit`.
+
+        Raises:
+            BusError: the commit was refused before it left (e.g. this member does not own a partition now).
+        """
+        self.commit(offsets)
+
     @abc.abstractmethod
     def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int | None]:
         """The group's committed offsets (None where nothing is committed)."""

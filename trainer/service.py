@@ -9,7 +9,7 @@ metrics go out. Every ``checkpoint_every`` steps (and at the end):
    and are acknowledged;
 2. the checkpoint (model, optimizer, version, offsets, serving and replay state)
    is written atomically;
-3. the consumed offsets are committed on the bus.
+3. the consumed offsets are committed on the bus, without waiting for the broker (the checkpoint holds them).
 
 Between checkpoints the group's position is committed after every step too (:meth:`TrainerService._commit_progress`),
 so that the group's committed lag on ``samples.<policy>`` is what waits for this trainer: the one measure RaaS's
@@ -52,7 +52,7 @@ from topics.kafka_security import KafkaSecurity
 from topics.layout import RunTopics
 from topics.names import TopicNames
 from topics.patience import patiently
-from topics.reader_watch import ReaderWatch
+from topics.liveness import ProgressWatch
 from topics.schemas import TrainedBatch, TrainerProgress
 from trainer.collapse import Collapse, CollapseWatch
 from trainer.checkpoint import (load_checkpoint, load_latest, prepare_save, save_checkpoint,
@@ -65,6 +65,8 @@ from trainer.metrics import MetricsSink
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
+#: seconds after which a trainer sends its unchanged progress commit again (one that did not land is then made)
+PROGRESS_RESEND_S = 5.0
 #: the copy of the checkpoint taken at the best reward window (``stop_on_collapse``), beside ``checkpoints``
 BEST_CHECKPOINT = "best-checkpoint"
 
@@ -175,11 +177,14 @@ class TrainerService:
         for spec in (topics.samples(policy), topics.metrics, topics.deadletter, topics.control, topics.trained):
             spec.create(admin)
         self.producer = self.bus.producer()
-        self.consumer = self.bus.consumer(self.names.trainer_group(policy), client_id=f"trainer.{policy}.{os.getpid()}",
-                                          instance_id=f"trainer.{policy}")
+        # A dynamic member: after a broker outage librdkafka rejoins it by itself, where a static member can be fenced
+        # (FENCED_INSTANCE_ID, fatal), and a restart of the trainer, which redoes the steps after its checkpoint, is
+        # the costliest of the run; a restarted trainer waits out the old member's session once (session_timeout_s).
+        self.consumer = self.bus.consumer(self.names.trainer_group(policy), client_id=f"trainer.{policy}.{os.getpid()}")
         self.replay = replay
-        #: names the positions when no batch comes, and stops a trainer whose reads are blocked
-        self.reader_watch = ReaderWatch(self.consumer, admin, self.names.samples(policy), f"trainer {policy}", log)
+        #: the liveness rule: names the positions when no batch comes, and stops a trainer whose reads are stalled
+        self.liveness = ProgressWatch(self.consumer, admin, self.names.samples(policy),
+                                      self.names.trainer_group(policy), f"trainer {policy}", log)
         self.serving = ServingStage(
             self.consumer, self.producer, self.names.samples(policy), self.names.deadletter,
             max_staleness=cfg.max_staleness, batch_groups=cfg.batch_groups, replay=replay)
@@ -193,6 +198,7 @@ class TrainerService:
         self._renumbered: list[tuple[int, int]] = []  # (checkpoint version, its new number), oldest first
         self._committed: dict = {}  # the offsets of the latest checkpoint
         self._progress_committed: dict = {}  # the offsets last committed after a step (_commit_progress)
+        self._progress_commit_at = 0.0  # time.monotonic() of that commit
         self._store_logged = 0.0
         self._publish_alerted: tuple[int, int | None] = (0, None)  # (publish errors, version while failing)
         self._progress_sent: tuple[int, int, bool, bool, bool] | None = None
@@ -281,8 +287,10 @@ class TrainerService:
         self._pending.clear()
         if self.config.stop_on_collapse:
             self._keep_if_best(path)
-        # the checkpoint is durable: a commit refused while the broker restarts (NOT_COORDINATOR, seen) is retried
-        patiently(f"trainer.{self.config.trainer.policy}: commit", lambda: self.serving.commit(offsets), log=log)
+        # the checkpoint is durable and holds the offsets a restart resumes from: the group's commit only signals
+        # progress (lag, RaaS's credit), so it does not wait for the broker; one refused before it left is retried
+        patiently(f"trainer.{self.config.trainer.policy}: commit", lambda: self.serving.commit(offsets, wait=False),
+                  log=log)
         self._committed = self._progress_committed = offsets
         self._commit_progress()  # on past the transaction markers after them
         return path
@@ -298,24 +306,26 @@ class TrainerService:
         """Commit the group's position after a step (the records trained or dropped, the buffered ones not, and the
         transaction markers after them: :meth:`~consumers.serving.ServingStage.progress_offsets`), so the committed
         lag on ``samples.<policy>`` is what waits for this trainer (module docstring); a restart resumes from its
-        checkpoint's offsets, not these. A commit the bus refuses is logged at debug level and made again after the
-        next step.
+        checkpoint's offsets, not these. The commit does not wait for the broker (one that does not land is superseded
+        by the next, and the same offsets are sent again every :data:`PROGRESS_RESEND_S` seconds); one the bus refuses
+        is logged at debug level and made again after the next step.
 
         Raises:
             topics.bus.FatalBusError: the consumer is unusable (a restart resumes from the checkpoint).
         """
         try:
             offsets = self.serving.progress_offsets()
-            if not offsets or offsets == self._progress_committed:
+            if not offsets or (offsets == self._progress_committed
+                               and time.monotonic() - self._progress_commit_at < PROGRESS_RESEND_S):
                 return
-            self.serving.commit(offsets)
+            self.serving.commit(offsets, wait=False)
         except FatalBusError:
             raise
         except BusError as e:
             log.debug("trainer %s: progress commit after version %d refused (%s); the next step commits it",
                       self.config.trainer.policy, self.trainer.version, e)
             return
-        self._progress_committed = offsets
+        self._progress_committed, self._progress_commit_at = offsets, time.monotonic()
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
         """Train until ``steps`` steps on the lineage (:attr:`steps_done`), ``idle_exit_s`` without data, or
@@ -331,6 +341,7 @@ class TrainerService:
         cfg = self.config
         start = time.perf_counter()
         steps_run, last_data = 0, time.monotonic()
+        idle_from = last_data  # since when idle with partitions held, for trainer.idle_exit_s
         try:
             while self.steps_done < cfg.steps and not (stop is not None and stop.is_set()):
                 self._report_publish_errors()
@@ -365,16 +376,15 @@ class TrainerService:
                             raise  # the consumer is unusable: a restart resumes from the checkpoint
                         except BusError as e:
                             log.warning("idle checkpoint: offsets not committed yet (%s)", e)
+                    self.liveness.check(last_data)
                     if not self.consumer.assignment():
                         # Waiting for the group to hand over partitions is not idleness: a restarted
                         # member may wait out a rebalance before it can see any data.
-                        last_data = self.reader_watch.note_unassigned()
-                    else:
-                        self.reader_watch.check(last_data)
-                        if cfg.idle_exit_s is not None and time.monotonic() - last_data > cfg.idle_exit_s:
-                            break
+                        idle_from = time.monotonic()
+                    elif cfg.idle_exit_s is not None and time.monotonic() - idle_from > cfg.idle_exit_s:
+                        break
                     continue
-                last_data = time.monotonic()
+                last_data = idle_from = time.monotonic()
                 fresh = batch.groups[: len(batch.groups) - batch.replayed]
                 self._command("train", batch.groups, self.trainer.version, self.publisher is not None)
                 step = self.trainer.train_step(batch.groups, wait_s=batch.wait_s,

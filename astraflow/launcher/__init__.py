@@ -18,7 +18,6 @@ is lost. The summary's ``complete`` says whether every trainer reached its steps
   Kubernetes' CrashLoopBackOff).
 - :mod:`~astraflow.launcher.view`: the live view's thread and its console alerts.
 - :mod:`~astraflow.launcher.watchdog`: stalled trainers, and a run whose data ran out.
-- :mod:`~astraflow.launcher.filter_wedge`: filter processors whose committed offsets stopped moving.
 - :mod:`~astraflow.launcher.scaling`: RaaS workers scaled to the controller's target (actuator ``local``).
 - :mod:`~astraflow.launcher.outputs`: ``components.json``, ``metrics.jsonl``, ``reward_curve.png``, the summary.
 - :mod:`~astraflow.launcher.preflight`: what the config names, checked before any process starts.

@@ -12,7 +12,6 @@ from rich.live import Live
 from astraflow.config import RunConfig
 from astraflow.launched import EXIT_COLLAPSED
 from astraflow.launcher.changelog_check import ChangelogCheck
-from astraflow.launcher.filter_wedge import FilterWedgeWatch
 from astraflow.launcher.outputs import resumption, trainer_versions, write_outputs
 from astraflow.launcher.plan import plan_components
 from astraflow.launcher.scaling import RaasScaler
@@ -43,7 +42,6 @@ class Launcher:
         self.supervisor = Supervisor(cfg, self.components, self.console)
         self.scaler = RaasScaler(cfg, self.names, self.supervisor, self.console)
         self.watchdog = DataWatchdog(cfg, self.names, self.components, self.console)
-        self.filter_wedge = FilterWedgeWatch(cfg, self.names, self.components, self.console)
         self.changelog_check = ChangelogCheck(self.names)
 
     def run(self) -> dict:
@@ -74,8 +72,7 @@ class Launcher:
         interrupted, failed = False, []
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cleanly too
-        view = LiveView(monitor, cfg.run, console, looks=(self.watchdog.look, self.filter_wedge.look,
-                                                           self.changelog_check.look,
+        view = LiveView(monitor, cfg.run, console, looks=(self.watchdog.look, self.changelog_check.look,
                                                            lambda m: self.scaler.read_target(m.bus)))
         try:
             with Live(monitor.table(), console=console, refresh_per_second=2, transient=False) as live:

@@ -9,11 +9,13 @@ exits on its own ``MAX_START_FAILURES`` times before it ever got going (bad conf
 the run fails, naming it; so does one that exits with ``EXIT_BAD_INPUT``, and a trainer that exits with
 ``EXIT_COLLAPSED`` (its reward collapsed and ``stop_on_collapse`` stopped it).
 
-Like a liveness probe, a component whose heartbeat file (:data:`astraflow.launched.HEARTBEAT_ENV`, touched every
-second by a thread of its own; one per rank under ``torchrun``) has not changed for ``FROZEN_S`` seconds of the
-launcher's monotonic clock is frozen whole: its process group gets SIGUSR1 (each writes its threads' stacks to its
-log: what held it) and then SIGKILL, and it is restarted.
-Seen in CI: a RaaS worker frozen in a librdkafka call that held the interpreter lock, the run stalled for 10 min.
+The liveness rule (:mod:`topics.liveness`): a component that makes no progress while records wait for it and the
+cluster answers exits by itself, and is restarted here from what its group committed. A process that cannot run the
+rule, because none of its threads runs (a C call that holds the interpreter lock, a stopped process), is found from
+outside, like a liveness probe: its heartbeat file (:data:`astraflow.launched.HEARTBEAT_ENV`, touched every second
+by a thread of its own; one per rank under ``torchrun``) has not changed for ``FROZEN_S`` seconds of the launcher's
+monotonic clock; its process group gets SIGUSR1 (each writes its threads' stacks to its log: what held it) and then
+SIGKILL, and it is restarted.
 """
 from __future__ import annotations
 

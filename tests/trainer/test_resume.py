@@ -84,8 +84,8 @@ def test_sigkill_and_restart_trains_every_group_exactly_once(bus_url, tiny_model
 
     send(produced[6:])
     send(produced[:2])  # redelivered duplicates (e.g. a RaaS worker crashed before its commit)
-    # No wait for the killed member's session: static membership hands its partitions back at once,
-    # and a trainer waiting for partitions is not idle.
+    # The killed member's partitions come back once its session expires, and a trainer waiting for partitions is
+    # not idle.
     proc = _trainer(bus_url, run, tiny_model_dir, run_dir)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-3000:]
