@@ -532,15 +532,15 @@ def bench_problems() -> list[str]:
     page = BENCH_PAGE.read_text() if BENCH_PAGE.exists() else ""
     blocks = {m.group("name") for m in _BLOCK.finditer(page)}
     for path in sorted(BENCH_DATA.glob("*.json")):
-        data = json.loads(path.read_text())
+        data, shown = json.loads(path.read_text()), path.relative_to(BENCH_PAGE.parent)
         missing = [k for k in ("command", "machine", "commit") if not data.get(k)]
         if missing:
-            problems.append(f"{path.relative_to(ROOT)} lacks {', '.join(missing)}")
+            problems.append(f"{shown} lacks {', '.join(missing)}")
         if path.stem not in BENCH_TABLES:
-            problems.append(f"{path.relative_to(ROOT)} has no table renderer in scripts/gen_reference.py")
+            problems.append(f"{shown} has no table renderer in scripts/gen_reference.py")
         elif path.stem not in blocks:
-            problems.append(f"{path.relative_to(ROOT)} has no generated block in {BENCH_PAGE.relative_to(ROOT)}")
-    problems += [f"{BENCH_PAGE.relative_to(ROOT)}: a block names data/{name}.json, which does not exist"
+            problems.append(f"{shown} has no generated block in {BENCH_PAGE.name}")
+    problems += [f"{BENCH_PAGE.name}: a block names data/{name}.json, which does not exist"
                  for name in sorted(blocks) if not (BENCH_DATA / f"{name}.json").exists()]
     return problems
 
