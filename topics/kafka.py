@@ -120,7 +120,7 @@ def _bounded(name: str, fn: Callable[[], T], timeout_s: float) -> T:
     """``fn()`` on a daemon thread named ``name``, waited for ``timeout_s`` seconds, for librdkafka calls that can
     block past any timeout of their own: a synchronous consumer commit has none, and a transactional producer's
     ``send_offsets_to_transaction`` waits for ever on a group coordinator that went down during the call, even
-    once the broker is back (librdkafka #5456; seen here after a broker restart).
+    once the broker is back (librdkafka #5456).
 
     Returns:
         What ``fn`` returned; what it raised is raised.
@@ -192,7 +192,7 @@ class KafkaProducer(Producer):
     A plain producer keeps each record until its delivery report. When records have stayed unacknowledged for
     :attr:`stuck_s` seconds with no delivery report at all while the broker answers a metadata request, the
     producer is stuck (after a broker restart an idempotent producer can keep its records forever: librdkafka
-    #3009, seen once in 4 broker bounces here): :meth:`flush` replaces the librdkafka producer in place and sends
+    #3009): :meth:`flush` replaces the librdkafka producer in place and sends
     the unacknowledged records again through the new one (:meth:`renew`), so nothing is lost and the component is
     not restarted. A record the old producer had delivered without its report arriving is then written twice:
     the topics a plain producer writes are read at least once, by key (trajectory groups, announcements, metrics).
@@ -486,11 +486,10 @@ class KafkaConsumer(Consumer):
         ``RD_KAFKA_DESTROY_F_NO_CONSUMER_CLOSE``, what confluent-kafka does to a consumer it frees), on a helper
         thread waited for :data:`RELEASE_TIMEOUT_S`. A close runs the revoke through confluent-kafka's rebalance
         callback, which calls ``rd_kafka_rebalance_protocol`` and ``rd_kafka_assign`` holding the interpreter lock,
-        and those can wait for ever on a consumer being closed (librdkafka #4041, #4884): seen in CI, a RaaS worker
-        whose member was re-created 4 s after a broker restart froze whole (no thread of it ran again, not even its
-        watch on the launcher). A static member sends no LeaveGroup at its close anyway, and commits are manual, so
-        nothing is lost: the coordinator gives its place to the next member with its ``group.instance.id``, or
-        moves its partitions when its session times out. A call still running on it (a commit that never returned)
+        and those can wait for ever on a consumer being closed (librdkafka #4041, #4884), freezing the whole process
+        (no thread of it runs again, not even its watch on the launcher). A static member sends no LeaveGroup at its
+        close anyway, and commits are manual, so nothing is lost: the coordinator gives its place to the next member
+        with its ``group.instance.id``, or moves its partitions when its session times out. A call still running on it (a commit that never returned)
         keeps it alive until that call returns."""
         box, self._c = [self._c], None  # the helper thread drops the last reference: the free runs there
         try:
@@ -674,7 +673,8 @@ class KafkaConsumer(Consumer):
             self._renew(str(fenced))
         # Done up to there: the new member starts there, not at the old commit. Given to librdkafka with the
         # assignment (:meth:`_on_assign`), not sought after it: a seek made while the assignment's own fetch of the
-        # committed offsets is in flight is undone by its answer (seen in CI: a partition read again from 0).
+        # committed offsets is in flight is undone by its answer (the partition would be read again from the old
+        # commit).
         self._pending.update(offsets)
         self._join(timeout_s)
         owned = {tp: off for tp, off in offsets.items() if tp in self._assigned}
@@ -750,8 +750,8 @@ class KafkaConsumer(Consumer):
         """The group's committed offsets of ``partitions`` (None where none is), asked for up to 10 s. A subscribed
         member whose asks have found no coordinator or timed out for :data:`NO_COORDINATOR_RENEW_S` while the
         broker answers is re-created in place (:meth:`_renew`; it owns no partition until it has joined again)
-        and asks once more: seen in CI after a broker restart, a filter processor whose asks timed out for two
-        minutes while the broker served every other client, until its patience ran out.
+        and asks once more: after a broker restart a member's asks can keep timing out while the broker serves
+        every other client.
 
         Raises:
             BusError: the offsets did not come (a transaction that holds offsets of the group and is not ended
@@ -835,8 +835,8 @@ class KafkaConsumer(Consumer):
         """Leave the group and release the client. A static member (``instance_id``), which sends no LeaveGroup
         at its close, is released without one (:meth:`_release`: a close can freeze the process). Others close,
         waiting up to :data:`CLOSE_TIMEOUT_S`: a close that has not returned by then is left to its daemon thread,
-        with a warning, so that no shutdown waits on it (seen in a CI run: a member re-created and closed before
-        it had polled, its close held in the assignment callback)."""
+        with a warning, so that no shutdown waits on it (a member closed before it has polled can hold its close in
+        the assignment callback)."""
         if self._c is None:
             return
         if "group.instance.id" in self._conf:
