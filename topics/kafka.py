@@ -489,8 +489,8 @@ class KafkaConsumer(Consumer):
         and those can wait for ever on a consumer being closed (librdkafka #4041, #4884), freezing the whole process
         (no thread of it runs again, not even its watch on the launcher). A static member sends no LeaveGroup at its
         close anyway, and commits are manual, so nothing is lost: the coordinator gives its place to the next member
-        with its ``group.instance.id``, or moves its partitions when its session times out. A call still running on it (a commit that never returned)
-        keeps it alive until that call returns."""
+        with its ``group.instance.id``, or moves its partitions when its session times out. A call still running on
+        it (a commit that never returned) keeps it alive until that call returns."""
         box, self._c = [self._c], None  # the helper thread drops the last reference: the free runs there
         try:
             _bounded(f"release-{self.name}", box.clear, RELEASE_TIMEOUT_S)
