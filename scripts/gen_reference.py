@@ -522,8 +522,22 @@ def weights_table(data: dict) -> str:
     return "\n".join(lines + ["", f"{data['repetitions']}; {data['model']}. " + _provenance(data), ""])
 
 
+def bus_table(data: dict) -> str:
+    """``data/bus.json`` (``scripts/bench_bus.py``): groups/s per variant and ours / raw, round by round."""
+    names = {"ours": "AstraFlow codec + Kafka", "raw": "raw confluent-kafka, same bytes",
+             "local": "AstraFlow codec + embedded `local://` bus"}
+    lines = ["| variant | groups/s, median [min, max] | rounds |", "|---|---|---|"]
+    for key, spread in data["groups_s"].items():
+        lines.append(f"| {names.get(key, key)} | {_range(spread, '{:.1f}')} | "
+                     f"{', '.join(f'{r:.1f}' for r in spread['runs'])} |")
+    ratio = data["ratio_spread"]
+    lines += ["", f"AstraFlow / raw, round by round: {_range(ratio, '{:.2f}')} "
+              f"({', '.join(f'{r:.2f}' for r in ratio['runs'])}); {data['mb_per_group']} MB per group."]
+    return "\n".join(lines + ["", _provenance(data), ""])
+
+
 #: each committed benchmark JSON's table (by file name, without ``.json``)
-BENCH_TABLES = {"stability": stability_table, "weights": weights_table}
+BENCH_TABLES = {"stability": stability_table, "weights": weights_table, "bus": bus_table}
 
 
 def bench_problems() -> list[str]:
