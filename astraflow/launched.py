@@ -106,10 +106,9 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
     ``mallopt(M_TRIM_THRESHOLD)``: glibc manual, "Malloc Tunable Parameters").
 
     A component allocates and frees the same tensors every step (a train step's activations and gradients, an
-    engine call's cache). With glibc's defaults each step's large blocks were mapped afresh and their pages
-    faulted in and zeroed again: 17 000 page faults a second in a trainer and 30 000 in RaaS, 8% of the 2-core
-    machine's CPU in the kernel, in the solver-verifier pipeline of ``scripts/bench_multipolicy.py`` (2026-12-05);
-    with these settings, 300-900 a second and 3%. The cost is memory: a process keeps its peak heap.
+    engine call's cache). With glibc's defaults each step's large blocks are mapped afresh and their pages
+    faulted in and zeroed again, every step, at a cost in kernel CPU time that grows with the step's allocations;
+    with these settings they are reused. The cost is memory: a process keeps its peak heap.
 
     Does nothing where the C library has no ``mallopt`` (not glibc) or where ``GLIBC_TUNABLES`` sets malloc's own
     (the operator's choice stands).

@@ -30,8 +30,8 @@ UTS, mount and cgroup namespaces (``--unshare-all``) that
   a child user namespace has ``CAP_SYS_RESOURCE`` in the initial one, so the
   limit holds even when AstraFlow runs as root, and one run's fork bomb cannot
   starve a concurrent run (a limit set outside, on a uid shared by concurrent
-  runs, would; and a uid's count was seen to stay up for a second or more after
-  its processes died);
+  runs, would; and a uid's count can stay up for a second or more after its
+  processes die);
 - are killed on the wall timeout by killing bwrap and the sandbox's pid 1 (the
   PID namespace dies with it, ``setsid`` children included); then no process of
   the sandbox may remain (checked in ``/proc``: by its uid as root, after every

@@ -18,9 +18,9 @@ of trainer steps:
   bounded staleness ``--max-staleness`` (default: the example's, 4; the RaaS
   worker pauses while its weights are more than that many versions behind, and
   the trainer drops older groups). Rollout of version k+1's data overlaps with
-  training version k. At 2 (the default until 2026-12-02) rollout and training,
-  about equal here, have little slack between them: efficiency 0.82 against
-  1.02 at 4 (3 rounds each).
+  training version k. At 2, rollout and training, about equal here, have little
+  slack between them, and the pipeline falls further short of its overlap
+  bound than at 4.
 
 Only the steady state is timed, in both arms: wall-clock seconds from the end
 of trainer step ``--warmup`` to the end of step ``--steps`` (process start-up,

@@ -20,11 +20,9 @@ of ``examples/solver-verifier-tiny.yaml``), N iterations (trainer versions).
     one thread each (OMP_NUM_THREADS=1), meeting on the embedded bus and the
     local weight store, placed by the OS (``--place KIND=CPUS`` pins them). Since
     RaaS batches the engine calls of every episode in flight, rollout is the
-    smallest stage (0.17-0.19 s per iteration in the 1-thread loop, against
-    0.27-0.28 and 0.17-0.19 for the two trainers), so the old placement (RaaS
-    alone on CPU 1, both trainers on CPU 0) bounds the pipeline by the
-    trainers' sum: 0.51-0.65 s/iter, efficiency 0.62, against 0.43-0.49 and
-    0.83 OS-scheduled (3 repetitions each, 2026-12-03).
+    smallest stage, so a placement with RaaS alone on CPU 1 and both trainers
+    on CPU 0 bounds the pipeline by the trainers' sum, which the OS's own
+    placement beats.
 
 Steady-state seconds per iteration, excluding start-up and model loading: an
 iteration ends when both policies have reached version v (sequential: both
@@ -37,9 +35,8 @@ while the trainers started) and ``rollout`` the loaded loop's rollout stage
 (seconds per batch): groups rolled out ahead before the window do not make the
 pipeline look faster than its stages, each charged the time one core takes to
 roll it out (rollouts counted by their ``outcomes`` timestamps). The strict
-count, |W| / min(N - K, prompts rolled out in W / B) (the measure until
-2026-12-05), charged a whole iteration per such batch, and is reported too
-(:func:`pipeline_s_per_iter`).
+count, |W| / min(N - K, prompts rolled out in W / B), charges a whole iteration
+per such batch, and is reported too (:func:`pipeline_s_per_iter`).
 
 Threads: the brief is "equal cores" (2). On a machine shared with other jobs,
 2 intra-op threads can be several times slower than 1 for this tiny model
@@ -48,8 +45,7 @@ Threads: the brief is "equal cores" (2). On a machine shared with other jobs,
 
 Usage: ``scripts/bench_multipolicy.py [--quick] [--repeats R]``. Repetitions alternate the loop and the
 pipeline (R = 3 by default: ~6 minutes on 2 cores, a repetition ~2). 64 iterations by default (a window of 62
-versions, ~16 s): with 32 (until 2026-12-05) the same pipeline's repetitions spread 0.251-0.290 s/iter within
-one run on a quiet machine, with 64 0.244-0.268. Prints each measurement,
+versions): a longer window spreads the pipeline's repetitions less than 32 iterations do. Prints each measurement,
 min/median/max over repeats and each repetition's ratio, and ends with one JSON line
 ``{"metric": "multipolicy_s_per_iter", "value": pipeline, "baseline": sequential, "ratio": baseline/value,
 "ratio_spread": {"runs", "median", "min", "max"}, "pipeline_s_per_iter": {...}, "sequential_s_per_iter":
@@ -58,7 +54,7 @@ min/median/max over repeats and each repetition's ratio, and ends with one JSON 
 least s/iter of any pipeline on 2 cores, ``max(stage sum / 2, largest stage)``, from the 1-thread loop's stage
 times measured with both cores busy (two copies at once, :func:`loaded_stages`, :func:`two_core_bound`; needs 1 in
 ``--threads``); ``bound_idle`` from the same loop alone, and ``efficiency_idle_strict_runs`` that bound over the
-strict count, the measure until 2026-12-05.
+strict count.
 """
 from __future__ import annotations
 
@@ -150,11 +146,9 @@ def loaded_stages(iters: int, batch: int, g: int, seed: int, copies: int = 2) ->
     copies of it running at once, one per core: what each stage costs on a machine whose cores are all busy, as
     they are under any pipeline that reaches the 2-core bound. Each stage's median over the copies.
 
-    Alone, a stage runs with the other core idle: two copies at once took 0-7% longer per stage on this project's
-    2-core machine over 2026-12-05 (one hour: rollout 0.129-0.133 against 0.119-0.124 s, solver 0.154-0.156 against
-    0.147-0.154, verifier 0.104-0.105 against 0.102; an hour later within noise of the idle-core times), shared
-    caches and memory bandwidth, so a bound from the idle-core stage times is one no pipeline that keeps both cores
-    busy can reach.
+    Alone, a stage runs with the other core idle; two copies at once take longer per stage (shared caches and
+    memory bandwidth), so a bound from the idle-core stage times is one no pipeline that keeps both cores busy can
+    reach.
 
     Raises:
         RuntimeError: a copy failed.
@@ -187,18 +181,16 @@ def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s:
     time (seconds), over the window of the module docstring.
 
     ``seed`` is the run's ``seed`` and ``data.shuffle_seed``: the arith prompts and their order, those of the loop of
-    the same seed (:func:`sequential_s_per_iter`). Until 2026-12-05 the pipeline always ran seed 0 in shuffled order
-    and the loop of repetition r seed r's prompts in record order: the two sides trained on other prompts, and the
-    bound of repetition 2 came out 3-4% below the others' (the loop's solver step 0.174 against 0.182-0.190 s).
+    the same seed (:func:`sequential_s_per_iter`), so that both sides of a repetition train on the same prompts in the
+    same order.
 
     ``rollout_s`` is the loaded loop's rollout stage (seconds per batch, :func:`loaded_stages`): each batch the
     trainers took in the window that RaaS did not roll out in it (it had rolled it out before, its lead at the
     window's start: 2-4 batches, built while the trainers started) adds that much to the window, the time one
-    core takes to roll it out, the most its work can add. The strict count (until 2026-12-05, and without
-    ``rollout_s``), ``|W| / min(versions, batches rolled out in W)``, charged a whole iteration per such batch,
-    about three times the rollout's share of an iteration's work, and the same pace of the trainers came out up to
-    7% apart from one repetition to the next by how far ahead RaaS was when the window opened (28 to 31 batches
-    rolled out in windows of 30 versions, 2026-12-05).
+    core takes to roll it out, the most its work can add. The strict count (without ``rollout_s``),
+    ``|W| / min(versions, batches rolled out in W)``, charges a whole iteration per such batch, about three times
+    the rollout's share of an iteration's work, so the same pace of the trainers comes out differently from one
+    repetition to the next by how far ahead RaaS was when the window opened.
 
     Raises:
         RuntimeError: the run failed or did not reach version ``iters`` for both policies.
@@ -207,9 +199,8 @@ def pipeline_s_per_iter(iters: int, batch: int, g: int, workers: int, timeout_s:
     with tempfile.TemporaryDirectory(prefix="bench-mp-") as tmp:
         run_dir = Path(tmp) / run
         # RaaS's in-flight limit: the per-policy default, batch_groups x max_staleness (4 batches; the example's 16
-        # groups is for its batches of 4). The 6 batches used until 2026-12-03 are past max_staleness 4: the solver,
-        # the slowest stage, had 64-83 of 48 x 16 groups dropped as stale, for no measurable gain (efficiency 0.85
-        # and 0.73 in two runs of 3 repetitions, against 0.75 and 0.77 here, the same afternoon)
+        # groups is for its batches of 4). More batches in flight than max_staleness allows only get the solver's
+        # groups, the slowest stage's, dropped as stale.
         overrides = [f"run={run}", f"run_dir={run_dir}", f"seed={seed}", f"data.shuffle_seed={seed}",
                      f"data.n_samples={g}", f"raas.batch_prompts={batch}",
                      "raas.max_inflight_groups=null", "data.epochs=1", f"raas.workers={workers}",
@@ -317,7 +308,7 @@ def main() -> None:
     print(f"ratio (sequential / pipeline), repetition by repetition: {describe(ratio, '.2f')}", flush=True)
     per_rep = [round(b / v, 3) for b, v in zip(bounds, pipe)]
     per_rep_strict = [round(b / v, 3) for b, v in zip(bounds, strict)]
-    per_rep_idle = [round(b / v, 3) for b, v in zip(idle_bounds, strict)]  # the measure until 2026-12-05
+    per_rep_idle = [round(b / v, 3) for b, v in zip(idle_bounds, strict)]  # the strict count, idle-core bound
     if per_rep:
         print(f"efficiency, repetition by repetition: {per_rep}; by the strict count {per_rep_strict}; by the strict "
               f"count against the idle-core bound (the measure until 2026-12-05) {per_rep_idle}", flush=True)

@@ -96,7 +96,7 @@ def bounded(name: str, fn: Callable[[], T], timeout_s: float) -> T:
     """``fn()`` on a daemon thread named ``name``, waited for ``timeout_s`` seconds, for librdkafka calls that can
     block past any timeout of their own: a synchronous consumer commit has none, and a transactional producer's
     ``send_offsets_to_transaction`` waits for ever on a group coordinator that went down during the call, even
-    once the broker is back (librdkafka #5456; seen here after a broker restart).
+    once the broker is back (librdkafka #5456).
 
     Returns:
         What ``fn`` returned; what it raised is raised.

@@ -39,7 +39,7 @@ class KafkaProducer(Producer):
     A plain producer keeps each record until its delivery report. When records have stayed unacknowledged for
     :attr:`stuck_s` seconds with no delivery report at all while the broker answers a metadata request, the
     producer is stuck (after a broker restart an idempotent producer can keep its records forever: librdkafka
-    #3009, seen once in 4 broker bounces here): :meth:`flush` replaces the librdkafka producer in place and sends
+    #3009): :meth:`flush` replaces the librdkafka producer in place and sends
     the unacknowledged records again through the new one (:meth:`renew`), so nothing is lost and the component is
     not restarted. A record the old producer had delivered without its report arriving is then written twice:
     the topics a plain producer writes are read at least once, by key (trajectory groups, announcements, metrics).

@@ -1,11 +1,16 @@
-"""The generated reference pages match the code: regenerating docs/reference/config.md and cli.md yields no
-diff, every config field has a description, and the check notices a field without one."""
+"""The generated pages match their sources: regenerating docs/reference/config.md, cli.md and metrics.md, and the
+tables of docs/benchmarks/index.md, yields no diff; every config field and every emitted metric has a
+description; the check notices a field without one, a table that disagrees with its JSON, and a JSON without its
+provenance."""
+import json
+import shutil
 import sys
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import scripts.gen_reference as gen  # noqa: E402
 from scripts.gen_reference import CLI_PAGE, CONFIG_PAGE, config_models, main, undescribed  # noqa: E402
 
 
@@ -36,3 +41,36 @@ def test_a_field_without_a_description_is_named():
 
     assert undescribed(Outer) == ["Inner.bare"]
     assert config_models(Outer) == [(Outer, [""]), (Inner, ["items[]", "by_name.<key>"])]
+
+
+def test_every_emitted_metric_is_described_and_listed():
+    assert gen.metrics_problems() == []
+    text = gen.METRICS_PAGE.read_text()
+    for source in gen.METRIC_SOURCES:
+        names = gen.emitted_names(source)
+        assert names, source  # the source still builds its records where METRIC_SOURCES says
+        for name in names:
+            assert f"| `{name}` |" in text, name
+    assert '| `staleness_hist/<k>` | `astraflow_staleness_hist{staleness="<k>"}` |' in text
+    for family, _, _ in gen.exporter_families():
+        assert f"| `{family}` |" in text
+
+
+def test_a_benchmark_table_that_disagrees_with_its_json_is_noticed(tmp_path, monkeypatch):
+    page, data = tmp_path / "index.md", tmp_path / "data"
+    shutil.copy(gen.BENCH_PAGE, page)
+    shutil.copytree(gen.BENCH_DATA, data)
+    monkeypatch.setattr(gen, "BENCH_PAGE", page)
+    monkeypatch.setattr(gen, "BENCH_DATA", data)
+    assert gen.bench_problems() == [] and gen.bench_page() == page.read_text()
+
+    stability = json.loads((data / "stability.json").read_text())
+    stability["per_run"][0]["reward_last"] += 0.1
+    (data / "stability.json").write_text(json.dumps(stability))
+    assert gen.bench_page() != page.read_text()
+
+    del stability["commit"]
+    (data / "stability.json").write_text(json.dumps(stability))
+    (data / "new.json").write_text(json.dumps({"command": ["x"], "machine": "m", "commit": "c"}))
+    assert gen.bench_problems() == ["data/new.json has no table renderer in scripts/gen_reference.py",
+                                    "data/stability.json lacks commit"]
