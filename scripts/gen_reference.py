@@ -8,7 +8,9 @@
   exporter serves it as, read (with ``ast``) from the code that builds the records (:data:`METRIC_SOURCES`) and
   from ``astraflow/exporter.py``;
 - the tables of ``docs/benchmarks/index.md``: each block between ``<!-- generated from data/NAME.json ... -->``
-  and ``<!-- end of generated table -->`` is rendered from ``docs/benchmarks/data/NAME.json``.
+  and ``<!-- end of generated table -->`` is rendered from ``docs/benchmarks/data/NAME.json``;
+- the README's first run (its summary line and time, between ``<!-- generated first run ... -->`` and
+  ``<!-- end of generated first run -->``), from the ``arith-tiny`` runs of ``docs/benchmarks/data/stability.json``.
 
 Usage: ``scripts/gen_reference.py`` writes them; ``scripts/gen_reference.py --check`` writes nothing and exits 1
 when a committed page differs from what the code and the JSON generate (``tests/scripts/test_gen_reference.py``
@@ -39,6 +41,7 @@ CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
 METRICS_PAGE = ROOT / "docs" / "reference" / "metrics.md"
 BENCH_PAGE = ROOT / "docs" / "benchmarks" / "index.md"
 BENCH_DATA = ROOT / "docs" / "benchmarks" / "data"
+README = ROOT / "README.md"
 
 
 def _models_in(annotation: typing.Any) -> list[type[BaseModel]]:
@@ -568,6 +571,38 @@ def bench_page() -> str:
         return m.group(1) + "\n" + BENCH_TABLES[m.group("name")](json.loads(path.read_text())) + "\n" + m.group(4)
     return _BLOCK.sub(render, BENCH_PAGE.read_text())
 
+_FIRST_RUN = re.compile(r"(<!-- generated first run from docs/benchmarks/data/stability\.json by scripts/gen_reference\.py: "
+                        r"do not edit -->\n)(?P<body>.*?)(<!-- end of generated first run -->)", re.S)
+
+
+def first_run(data: dict) -> str:
+    """The README's first run: the summary line of the first ``arith-tiny`` run of ``data/stability.json``, and
+    the wall time and rewards of all its ``arith-tiny`` runs."""
+    runs = [r for r in data["per_run"] if r["example"] == "arith-tiny"]
+    r = runs[0]
+    walls = sorted(x["wall_s"] for x in runs)
+    cores = re.search(r"nproc (\d+)", data["machine"]).group(1)
+    return "\n".join([
+        "```",
+        f'{{"run": "arith-tiny", "complete": {str(r["complete"]).lower()}, "restarts": 0, "steps": {r["steps"]}, '
+        f'"versions": {{"actor": {r["steps"]}}},',
+        f' "reward_first": {r["reward_first"]}, "reward_last": {r["reward_last"]}, "reward_best": {r["reward_best"]}, '
+        f'"final_over_best": {r["final_over_best"]}, "collapses": {{}}, ...}}',
+        "```",
+        "",
+        f"On a {cores}-core machine it took {walls[0]:.0f}-{walls[-1]:.0f} s in {len(runs)} runs (seeds "
+        f"{', '.join(str(x['seed']) for x in runs)}), the reward rising "
+        + ", ".join(f"{x['reward_first']:.2f} -> {x['reward_last']:.2f}" for x in runs) + "",
+        f"(`{' '.join(data['command'])}`, commit `{data['commit']}`, {data['machine']}).",
+        ""])
+
+
+def readme() -> str:
+    """``README.md`` with its first run rendered from ``docs/benchmarks/data/stability.json``."""
+    data = json.loads((BENCH_DATA / "stability.json").read_text())
+    return _FIRST_RUN.sub(lambda m: m.group(1) + first_run(data) + m.group(3), README.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write the pages, or with ``--check`` compare them; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -585,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     stale = []
     for page, text in ((CONFIG_PAGE, config_reference()), (CLI_PAGE, cli_reference()),
-                       (METRICS_PAGE, metrics_reference()), (BENCH_PAGE, bench_page())):
+                       (METRICS_PAGE, metrics_reference()), (BENCH_PAGE, bench_page()), (README, readme())):
         if args.check:
             if not page.exists() or page.read_text() != text:
                 stale.append(str(page.relative_to(ROOT)))
