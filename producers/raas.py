@@ -742,6 +742,7 @@ class RaasWorker:
             if pending:
                 self.loop.run_until_complete(asyncio.wait(pending))
             closes: list[tuple[str, Callable[[], object] | None]] = [
+                ("workflow", self.workflow.close),
                 *((f"tool {name}", getattr(tool, "close", None)) for name, tool in self.tools.items()),
                 *((f"engine batcher {p}", b.close) for p, b in self.batchers.items()),
                 ("event loop", self.loop.close), ("consumer", self.consumer.close),
