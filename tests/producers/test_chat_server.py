@@ -1,0 +1,74 @@
+"""The OpenAI-compatible endpoint (:mod:`producers.chat_server`) driven by the real ``openai`` client: a tool call
+and its answer in the hermes format, token ids and logprobs, and the session's trajectory, token for token."""
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+from producers.chat_server import ChatServer
+from producers.engine_batcher import EngineBatcher
+from producers.search_server import SearchServer
+from producers.search_tool import SearchTool
+
+sys.path.insert(0, str(Path(__file__).parent))
+from env_rig import SEARCH_SCHEMA, cached_hermes_policy, episode_ids  # noqa: E402
+
+openai = pytest.importorskip("openai")
+EPISODE = ("code of zovob?\n", "zovob", "the code of zovob is 846", "846")
+
+
+@pytest.fixture(scope="module")
+def hermes_dir() -> Path:
+    return cached_hermes_policy([EPISODE])
+
+
+def test_an_openai_client_runs_a_tool_episode_and_the_session_is_its_token_sequence(hermes_dir):
+    from producers.hf_engine import HFEngine
+
+    engine = HFEngine(hermes_dir)
+
+    async def main():
+        batcher = EngineBatcher(engine)
+        server = ChatServer(batcher, model="tiny")
+        async with SearchServer() as search_server:
+            search = SearchTool(search_server.url)
+            url = await server.start()
+            client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+            try:
+                messages = [{"role": "user", "content": EPISODE[0]}]
+                ask = dict(model="tiny", tools=[SEARCH_SCHEMA], temperature=0.0, max_tokens=80, logprobs=True,
+                           extra_headers={"X-Session-ID": "episode-1"})
+                first = await client.chat.completions.create(messages=messages, **ask)
+                call = first.choices[0].message.tool_calls[0]
+                answer = await search(__import__("json").loads(call.function.arguments)["query"])
+                messages += [first.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": call.id, "content": answer}]
+                second = await client.chat.completions.create(messages=messages, **ask)
+                with pytest.raises(openai.BadRequestError, match="one choice per request"):
+                    await client.chat.completions.create(messages=messages, n=2, **ask)
+                return first, second, answer, server.pop_session("episode-1")
+            finally:
+                await client.close()
+                await server.stop()
+                await search.close()
+                batcher.close()
+
+    first, second, answer, session = asyncio.run(main())
+    ids, mask = episode_ids(engine.tokenizer, *EPISODE)
+    call = first.choices[0].message.tool_calls[0]
+    assert (first.choices[0].finish_reason, call.function.name, call.function.arguments) == \
+        ("tool_calls", "search", '{"query": "zovob"}')
+    assert answer == EPISODE[2]
+    assert (second.choices[0].finish_reason, second.choices[0].message.content) == ("stop", "846")
+    extra = first.model_extra
+    prompt_len = mask.index(1)
+    assert extra["prompt_token_ids"] == ids[:prompt_len]
+    assert first.choices[0].model_extra["token_ids"] == ids[prompt_len:mask.index(0, prompt_len)]
+    assert first.choices[0].model_extra["version"] == 0
+    assert len(first.choices[0].logprobs.content) == len(first.choices[0].model_extra["token_ids"])
+    assert all(t.logprob < 0 for t in first.choices[0].logprobs.content)
+    # the second request re-sent the whole chat; its tokens continue the first's (only the tool turn was rendered)
+    assert second.model_extra["prompt_token_ids"] == ids[:len(ids) - 4]
+    [traj] = session.trajectories
+    assert (traj.ids, traj.mask, session.calls) == (ids, mask, 2)
