@@ -3,20 +3,30 @@ JSON schemas, the hermes parser, rubrics, stop strings, MCP tools over a real st
 a tiny hermes-speaking policy against the real search server, token for token."""
 import asyncio
 import sys
+import time
+import uuid
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import pytest
 
+from astraflow.config import load_config
+from producers.acquisition import acquire_run
 from producers.engine_batcher import EngineBatcher
 from producers.engines import SamplingParams
 from producers.environments import (Environment, EnvironmentWorkflow, HermesParser, ParsedTurn, Rubric, ToolCall,
                                     function_tool, get_tool_parser, render_delta)
+from producers.raas import RaasWorker
 from producers.search_server import SearchServer
 from producers.search_tool import SearchTool
 from producers.workflows import get_workflow
-from topics.schemas import Prompt
+from tests.producers.test_agentic import start_search_server
+from topics.bus import connect, read_topic
+from topics.codec import decode
+from topics.layout import ensure_run_topics
+from topics.names import TopicNames
+from topics.schemas import Prompt, TrajectoryGroup
 
 sys.path.insert(0, str(Path(__file__).parent))
 from env_rig import HERMES_TEMPLATE, call_text, cached_hermes_policy, episode_ids  # noqa: E402
@@ -219,3 +229,43 @@ def test_an_mcp_servers_tools_are_listed_and_called_concurrently():
     assert answers[2]["content"].startswith("error: ") and "valid integer" in answers[2]["content"]
     assert [a["tool_call_id"] for a in answers] == ["call_0", "call_1", "call_2", "call_3"]
     assert state == {"tool_calls": 4} and env.tools == {}  # closed: the server's tools are gone with it
+
+
+def test_a_raas_worker_rolls_the_environment_out_with_its_episode_scheduler(tmp_path, hermes_dir):
+    """The environment workflow from a run config, in a RaaS worker, against the search server as
+    ``astraflow run`` starts it: each prompt's group holds the episodes' token sequences, rewards and versions."""
+    server, url = start_search_server(tmp_path / "search.log")
+    path = tmp_path / "run.yaml"
+    path.write_text(f"""
+run: env{uuid.uuid4().hex[:8]}
+run_dir: {tmp_path / 'run'}
+bus: local://{tmp_path / 'bus'}
+policies:
+  actor: {{model: {hermes_dir}}}
+workflow: {{name: environment, options: {{env: "{SEARCH_ENV}", env_args: {{call_weight: 0.5}}}}}}
+tools: {{search: {{url: "{url}"}}}}
+data: {{sources: [{{name: search, limit: 1}}], n_samples: 3}}
+sampling: {{max_new_tokens: 80, temperature: 0.05}}  # the replayed episode: near greedy
+raas: {{batch_prompts: 1, max_inflight_groups: 1000, max_episodes: 3}}
+""")
+    cfg = load_config(path)
+    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=1)
+    assert acquire_run(cfg.acquisition_section()) == 1
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
+    topic = names.trajectories("actor")
+    try:
+        deadline = time.monotonic() + 180
+        while sum(bus.admin().end_offsets(topic).values()) < 1:
+            assert time.monotonic() < deadline, "the prompt was not rolled out"
+            worker.step()
+        calls = worker.tools["search"].calls
+    finally:
+        worker.close()
+        server.kill()
+        server.wait()
+    [group] = [decode(r.value, TrajectoryGroup) for r in read_topic(bus, topic)]
+    ids, mask = episode_ids(worker.engines["actor"].tokenizer, *EPISODE)
+    assert (group.workflow, calls, len(group.samples)) == ("environment", 3, 3)
+    assert all(s.input_ids.tolist() == ids and s.loss_mask.tolist() == mask and s.reward == 1.5
+               for s in group.samples)
