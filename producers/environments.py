@@ -61,12 +61,14 @@ class FunctionTool:
         parameters: the arguments' JSON schema (an ``object`` schema).
         call: ``await call(arguments)`` -> the text the model sees; may raise (:meth:`Environment.call_tool`
             turns an error into an ``error: ...`` observation).
+        run_tool: the run's configured tool it calls (:func:`run_tool`), if any: the run must configure it.
     """
 
     name: str
     description: str
     parameters: dict[str, Any]
     call: Callable[[dict[str, Any]], Awaitable[str]]
+    run_tool: str | None = None
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI function-call schema ``{"type": "function", "function": {name, description, parameters}}``,
@@ -145,7 +147,7 @@ def run_tool(name: str, description: str, argument: str = "query",
 
     return FunctionTool(name=name, description=description,
                         parameters={"type": "object", "properties": {argument: prop}, "required": [argument]},
-                        call=call)
+                        call=call, run_tool=name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,6 +343,7 @@ class Environment:
         self.mcp_servers = list(mcp_servers)
         self._mcp_tools: set[str] = set()
         self._started: asyncio.AbstractEventLoop | None = None
+        self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     def _add_tools(self, tools: Any) -> None:
         for tool in tools:
@@ -356,14 +359,17 @@ class Environment:
             As :meth:`producers.mcp_tools.MCPServer.start`.
         """
         loop = asyncio.get_running_loop()
-        if self._started is loop:
-            return
-        await self.close()
-        for server in self.mcp_servers:
-            tools = await server.start()
-            self._add_tools(tools)
-            self._mcp_tools.update(t.name for t in tools)
-        self._started = loop
+        if self._starting is None or self._starting[0] is not loop:
+            self._starting = (loop, asyncio.Lock())
+        async with self._starting[1]:  # the rollouts of a worker's first prompts all ask at once
+            if self._started is loop:
+                return
+            await self.close()
+            for server in self.mcp_servers:
+                tools = await server.start()
+                self._add_tools(tools)
+                self._mcp_tools.update(t.name for t in tools)
+            self._started = loop
 
     async def close(self) -> None:
         """Stop the MCP servers and drop their tools (:meth:`start` lists them again)."""
@@ -510,6 +516,9 @@ class EnvironmentWorkflow(Workflow):
                 raise ValueError(f"workflow environment: options.max_turns must be >= 1, got {max_turns}")
             obj.max_turns = max_turns
         self.env = obj
+        #: the run's configured tools the environment calls (:func:`run_tool`): the RaaS worker refuses a config
+        #: without them
+        self.tools = tuple(t.run_tool for t in obj.tools.values() if t.run_tool)
 
     async def close(self) -> None:
         """Close the environment (its MCP servers)."""

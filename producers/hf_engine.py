@@ -161,7 +161,8 @@ class HFEngine(Engine):
             last = {s[-1] for s in stop}
             texts = self._tokenizer.batch_decode([[i] for i in range(len(self._tokenizer))],
                                                  skip_special_tokens=False)
-            ends = torch.zeros(self.model.get_input_embeddings().num_embeddings, dtype=torch.bool)
+            size = max(len(texts), self.model.get_input_embeddings().num_embeddings)
+            ends = torch.zeros(size, dtype=torch.bool)
             ends[:len(texts)] = torch.tensor([any(c in text for c in last) for text in texts], dtype=torch.bool)
             self._stop_ends_cache[stop] = ends
         return self._stop_ends_cache[stop]

@@ -209,6 +209,9 @@ class RaasWorker:
         self.names = TopicNames(cfg.run)
         self.workflow = get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None,
                                      **cfg.workflow.options)
+        for name in sorted(set(self.workflow.tools) - cfg.tools.names()):  # an environment's own, known once built
+            raise ValueError(f"tools.{name}: workflow {cfg.workflow.name!r} calls the tool {name!r}, and the config "
+                             f"does not configure it (configured tools: {sorted(cfg.tools.names()) or 'none'})")
         self.policies = sorted(set(self.workflow.policies.values()))
         missing = set(self.policies) - set(cfg.policies)
         if missing:

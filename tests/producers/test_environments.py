@@ -231,23 +231,36 @@ def test_an_mcp_servers_tools_are_listed_and_called_concurrently():
     assert state == {"tool_calls": 4} and env.tools == {}  # closed: the server's tools are gone with it
 
 
-def test_a_raas_worker_rolls_the_environment_out_with_its_episode_scheduler(tmp_path, hermes_dir):
-    """The environment workflow from a run config, in a RaaS worker, against the search server as
-    ``astraflow run`` starts it: each prompt's group holds the episodes' token sequences, rewards and versions."""
-    server, url = start_search_server(tmp_path / "search.log")
+def env_run_config(tmp_path: Path, model: Path, tools: str) -> Path:
+    """A run config of the search environment (one prompt, 3 samples) with ``tools`` (YAML flow mapping)."""
     path = tmp_path / "run.yaml"
     path.write_text(f"""
 run: env{uuid.uuid4().hex[:8]}
 run_dir: {tmp_path / 'run'}
 bus: local://{tmp_path / 'bus'}
 policies:
-  actor: {{model: {hermes_dir}}}
+  actor: {{model: {model}}}
 workflow: {{name: environment, options: {{env: "{SEARCH_ENV}", env_args: {{call_weight: 0.5}}}}}}
-tools: {{search: {{url: "{url}"}}}}
+tools: {tools}
 data: {{sources: [{{name: search, limit: 1}}], n_samples: 3}}
 sampling: {{max_new_tokens: 80, temperature: 0.05}}  # the replayed episode: near greedy
 raas: {{batch_prompts: 1, max_inflight_groups: 1000, max_episodes: 3}}
 """)
+    return path
+
+
+def test_a_worker_refuses_a_config_without_the_run_tools_its_environment_calls(tmp_path, tiny_model_dir):
+    cfg = load_config(env_run_config(tmp_path, tiny_model_dir, "{}"))
+    with pytest.raises(ValueError, match="tools.search: workflow 'environment' calls the tool 'search', and the "
+                                         "config does not configure it"):
+        RaasWorker(cfg.raas_section(), 0, connect(cfg.bus, cfg.kafka))
+
+
+def test_a_raas_worker_rolls_the_environment_out_with_its_episode_scheduler(tmp_path, hermes_dir):
+    """The environment workflow from a run config, in a RaaS worker, against the search server as
+    ``astraflow run`` starts it: each prompt's group holds the episodes' token sequences, rewards and versions."""
+    server, url = start_search_server(tmp_path / "search.log")
+    path = env_run_config(tmp_path, hermes_dir, f'{{search: {{url: "{url}"}}}}')
     cfg = load_config(path)
     names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
     ensure_run_topics(bus.admin(), names, ["actor"], partitions=1)
