@@ -1,6 +1,7 @@
 """The OpenAI-compatible endpoint (:mod:`producers.chat_server`) driven by the real ``openai`` client: a tool call
 and its answer in the hermes format, token ids and logprobs, and the session's trajectory, token for token."""
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def test_an_openai_client_runs_a_tool_episode_and_the_session_is_its_token_seque
                            extra_headers={"X-Session-ID": "episode-1"})
                 first = await client.chat.completions.create(messages=messages, **ask)
                 call = first.choices[0].message.tool_calls[0]
-                answer = await search(__import__("json").loads(call.function.arguments)["query"])
+                answer = await search(json.loads(call.function.arguments)["query"])
                 messages += [first.choices[0].message.model_dump(exclude_none=True),
                              {"role": "tool", "tool_call_id": call.id, "content": answer}]
                 second = await client.chat.completions.create(messages=messages, **ask)
