@@ -13,21 +13,27 @@ Every call is recorded in a :class:`Session` (keyed by the ``X-Session-ID`` head
 previous request's, the reply, then new ones) appends only the chat template's delta for the new messages
 (:func:`producers.environments.render_delta`), so earlier tokens, generated ones included, are never
 re-tokenized; any other request starts a new trajectory of the session.
+
+The ``openai_agent`` workflow (:class:`OpenAIAgentWorkflow`) runs an agent of your own that drives the model
+through an OpenAI client (``async def agent(client, model, prompt, tools) -> answer``) in RaaS episodes: each
+sample is a session of the worker's endpoint, and its trajectory is the sample.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, ClassVar, Mapping
 
 from aiohttp import web
 
 from producers.engine_batcher import EngineBatcher
 from producers.engines import SamplingParams
-from producers.environments import get_tool_parser, render, render_delta
-from producers.workflows import Trajectory
+from producers.environments import get_tool_parser, load_object, render, render_delta
+from producers.workflows import Tool, Trajectory, Workflow, gather_episodes, register_workflow, rewards_of
+from topics.schemas import Prompt, TrajectoryGroup
 
 #: The header naming a request's session (verifiers sends the rollout's trace id in it).
 SESSION_HEADER = "X-Session-ID"
@@ -86,6 +92,8 @@ class ChatServer:
         model: the model name it answers to (any name is accepted; this one is reported).
         parser: the tool-call parser of replies to requests with ``tools``.
         max_new_tokens: the token budget when a request sets none.
+        sampling: the run's sampling, when set: its temperature and top-p replace a request's (the behaviour
+            logprobs and the trainer's recompute must share them) and its ``max_new_tokens`` caps a request's.
         host, port: where to listen (port 0: a free one; :attr:`url` tells which once started).
 
     Raises:
@@ -93,8 +101,10 @@ class ChatServer:
     """
 
     def __init__(self, engine: EngineBatcher, model: str = "policy", parser: str = "hermes",
-                 max_new_tokens: int = 256, host: str = "127.0.0.1", port: int = 0) -> None:
+                 max_new_tokens: int = 256, sampling: SamplingParams | None = None, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
         self.engine, self.model, self.parser = engine, model, get_tool_parser(parser)
+        self.sampling = sampling
         self.max_new_tokens, self.host, self.port = max_new_tokens, host, port
         self.sessions: dict[str, Session] = {}
         self.url: str | None = None
@@ -157,10 +167,13 @@ class ChatServer:
         if tools:
             stop = tuple(dict.fromkeys(stop + self.parser.stop))
         try:
-            return SamplingParams(max_new_tokens=int(body.get("max_completion_tokens") or body.get("max_tokens")
-                                                     or self.max_new_tokens),
-                                  temperature=float(body.get("temperature", 1.0)),
-                                  top_p=float(body.get("top_p", 1.0)), stop=stop, seed=body.get("seed"))
+            budget = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.max_new_tokens)
+            temperature, top_p = float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0))
+            if self.sampling is not None:
+                budget = min(budget, self.sampling.max_new_tokens)
+                temperature, top_p = self.sampling.temperature, self.sampling.top_p
+            return SamplingParams(max_new_tokens=budget, temperature=temperature, top_p=top_p, stop=stop,
+                                  seed=body.get("seed"))
         except (TypeError, ValueError) as e:
             raise BadRequest(f"bad sampling field: {e}") from None
 
@@ -224,3 +237,87 @@ class ChatServer:
                 "model": body.get("model") or self.model, "choices": [choice], "prompt_token_ids": prompt_ids,
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                           "total_tokens": len(prompt_ids) + len(ids)}}
+
+
+@register_workflow("openai_agent")
+class OpenAIAgentWorkflow(Workflow):
+    """Runs an agent that drives the policy through an OpenAI client, each sample an episode of its own.
+
+    The worker serves the policy on a loopback :class:`ChatServer` (started at its first rollout, with the run's
+    sampling: its temperature and top-p, its ``max_new_tokens`` per call). Each sample calls
+    ``await agent(client=..., model=..., prompt=..., tools=...)`` with an ``openai.AsyncOpenAI`` client whose
+    requests carry the sample's session id; the agent returns its final answer (text). The sample is the
+    session's last trajectory (``loss_mask`` 1 on the model's tokens); its reward is the prompt's own
+    (:func:`producers.rewards.score_many`) of the answer.
+
+    Args:
+        policies: role overrides; role ``policy``.
+        agent: ``module:name`` or ``file.py:name`` of the agent coroutine function.
+        parser: the tool-call parser of the endpoint's replies.
+
+    Raises:
+        ValueError: ``agent`` cannot be loaded or is not a coroutine function.
+        KeyError: an unknown parser.
+    """
+
+    roles: ClassVar[dict[str, str]] = {"policy": "actor"}
+
+    def __init__(self, policies: Mapping[str, str] | None = None, agent: str | None = None,
+                 parser: str = "hermes") -> None:
+        super().__init__(policies)
+        if agent is None:
+            raise ValueError("workflow openai_agent: options.agent is required (module:name or file.py:name)")
+        self.agent = load_object(agent)
+        if not asyncio.iscoroutinefunction(self.agent):
+            raise ValueError(f"workflow openai_agent: options.agent {agent!r} is not an async function")
+        get_tool_parser(parser)
+        self.parser = parser
+        self._server: tuple[asyncio.AbstractEventLoop, ChatServer] | None = None
+        self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+
+    async def _endpoint(self, eng: EngineBatcher, sampling: SamplingParams) -> ChatServer:
+        """The worker's endpoint, started once per event loop."""
+        loop = asyncio.get_running_loop()
+        if self._starting is None or self._starting[0] is not loop:
+            self._starting = (loop, asyncio.Lock())
+        async with self._starting[1]:
+            if self._server is None or self._server[0] is not loop:
+                server = ChatServer(eng, model=self.policies["policy"], parser=self.parser, sampling=sampling)
+                await server.start()
+                self._server = (loop, server)
+        return self._server[1]
+
+    async def close(self) -> None:
+        """Stop the endpoint."""
+        if self._server is not None:
+            await self._server[1].stop()
+            self._server = None
+
+    async def _episode(self, server: ChatServer, prompt: Prompt, tools: Mapping[str, Tool]) -> tuple[Trajectory, str]:
+        """One sample: its trajectory and the agent's answer.
+
+        Raises:
+            ValueError: the agent returned no text, or never called the model.
+        """
+        import openai
+
+        session = uuid.uuid4().hex
+        client = openai.AsyncOpenAI(base_url=server.url, api_key="astraflow", max_retries=0,
+                                    default_headers={SESSION_HEADER: session})
+        try:
+            answer = await self.agent(client=client, model=server.model, prompt=prompt, tools=tools)
+        finally:
+            await client.close()
+            calls = server.pop_session(session)
+        if not isinstance(answer, str):
+            raise ValueError(f"the agent returned {type(answer).__name__}, not the answer text")
+        if not calls.trajectories:
+            raise ValueError("the agent never called the model")
+        return calls.trajectories[-1], answer
+
+    async def rollout(self, prompt: Prompt, engines: Mapping[str, EngineBatcher], sampling: SamplingParams,
+                      tools: Mapping[str, Tool]) -> list[TrajectoryGroup]:
+        server = await self._endpoint(self.engine(engines, "policy"), sampling)
+        episodes = await gather_episodes([self._episode(server, prompt, tools) for _ in range(prompt.n_samples)])
+        rewards = await rewards_of(prompt, [answer for _, answer in episodes])
+        return [self.group(prompt, "policy", [t.to_sample(r) for (t, _), r in zip(episodes, rewards)])]

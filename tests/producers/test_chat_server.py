@@ -1,5 +1,6 @@
 """The OpenAI-compatible endpoint (:mod:`producers.chat_server`) driven by the real ``openai`` client: a tool call
-and its answer in the hermes format, token ids and logprobs, and the session's trajectory, token for token."""
+and its answer in the hermes format, token ids and logprobs, and the session's trajectory, token for token; and
+the ``openai_agent`` workflow rolling out an agent's sessions as its samples."""
 import asyncio
 import json
 import sys
@@ -9,6 +10,7 @@ import pytest
 
 from producers.chat_server import ChatServer
 from producers.engine_batcher import EngineBatcher
+from producers.engines import SamplingParams
 from producers.search_server import SearchServer
 from producers.search_tool import SearchTool
 
@@ -73,3 +75,35 @@ def test_an_openai_client_runs_a_tool_episode_and_the_session_is_its_token_seque
     assert second.model_extra["prompt_token_ids"] == ids[:len(ids) - 4]
     [traj] = session.trajectories
     assert (traj.ids, traj.mask, session.calls) == (ids, mask, 2)
+
+
+def test_the_openai_agent_workflow_rolls_out_an_agents_sessions_as_its_samples(hermes_dir):
+    from producers.hf_engine import HFEngine
+    from producers.workflows import get_workflow
+    from topics.schemas import Prompt
+
+    engine = HFEngine(hermes_dir)
+    agent = f"{Path(__file__).resolve().parents[2]}/examples/environments/search_openai_agent.py:agent"
+    workflow = get_workflow("openai_agent", agent=agent)
+    prompt = Prompt(prompt_id="p0", source="search", task_type="search", text=EPISODE[0], answer=EPISODE[3],
+                    n_samples=3)
+
+    async def main():
+        async with SearchServer() as search_server:
+            search = SearchTool(search_server.url)
+            batcher = EngineBatcher(engine)
+            try:
+                return await workflow.rollout(prompt, {"actor": batcher},
+                                              SamplingParams(max_new_tokens=80, temperature=0.0), {"search": search})
+            finally:
+                batcher.close()
+                await search.close()
+                await workflow.close()
+
+    [group] = asyncio.run(main())
+    ids, mask = episode_ids(engine.tokenizer, *EPISODE)
+    assert group.workflow == "openai_agent" and len(group.samples) == 3
+    for s in group.samples:
+        assert (s.input_ids.tolist(), s.loss_mask.tolist(), s.reward, s.turns) == (ids, mask, 1.0, 2)
+    with pytest.raises(ValueError, match="is not an async function"):
+        get_workflow("openai_agent", agent=f"{agent[:-len(':agent')]}:SEARCH")
