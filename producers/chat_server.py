@@ -29,8 +29,8 @@ from typing import Any, ClassVar, Mapping
 
 from aiohttp import web
 
-from producers.engine_batcher import EngineBatcher
-from producers.engines import SamplingParams
+from producers.engine_batcher import EngineBatcher, EngineCallFailed
+from producers.engines import GenerationInterrupted, SamplingParams
 from producers.environments import get_tool_parser, load_object, render, render_delta
 from producers.workflows import Tool, Trajectory, Workflow, gather_episodes, register_workflow, rewards_of
 from topics.schemas import Prompt, TrajectoryGroup
@@ -47,11 +47,14 @@ class Session:
         trajectories: token sequences, one per chat the session started (usually one).
         messages: the messages the last trajectory renders (the last request's and its reply).
         calls: requests served.
+        failure: the engine's failure a request of the session met (an interrupted or failed engine call,
+            answered with HTTP 503), for the workflow to raise as such.
     """
 
     trajectories: list[Trajectory] = dataclasses.field(default_factory=list)
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     calls: int = 0
+    failure: BaseException | None = None
 
 
 class BadRequest(ValueError):
@@ -150,6 +153,10 @@ class ChatServer:
                 raise BadRequest("the body is not a JSON object")
             session_id = request.headers.get(SESSION_HEADER) or body.get("user") or uuid.uuid4().hex
             return web.json_response(await self.complete(body, session_id))
+        except (GenerationInterrupted, EngineCallFailed) as e:  # the engine's, not the request's: kept for the rollout
+            self.sessions.setdefault(session_id, Session()).failure = e
+            return web.json_response({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}},
+                                     status=503)
         except (BadRequest, ValueError) as e:
             return web.json_response({"error": {"message": str(e), "type": "invalid_request_error"}}, status=400)
 
@@ -298,6 +305,8 @@ class OpenAIAgentWorkflow(Workflow):
 
         Raises:
             ValueError: the agent returned no text, or never called the model.
+            GenerationInterrupted, EngineCallFailed: a model call of the agent met one (whatever the agent made
+                of its HTTP 503).
         """
         import openai
 
@@ -306,9 +315,16 @@ class OpenAIAgentWorkflow(Workflow):
                                     default_headers={SESSION_HEADER: session})
         try:
             answer = await self.agent(client=client, model=server.model, prompt=prompt, tools=tools)
+        except Exception:
+            failure = server.pop_session(session).failure
+            if failure is not None:  # an interrupted or failed engine call stays what it is for the worker
+                raise failure from None
+            raise
         finally:
             await client.close()
-            calls = server.pop_session(session)
+        calls = server.pop_session(session)
+        if calls.failure is not None:
+            raise calls.failure
         if not isinstance(answer, str):
             raise ValueError(f"the agent returned {type(answer).__name__}, not the answer text")
         if not calls.trajectories:

@@ -4,13 +4,14 @@ the ``openai_agent`` workflow rolling out an agent's sessions as its samples."""
 import asyncio
 import json
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from producers.chat_server import ChatServer
 from producers.engine_batcher import EngineBatcher
-from producers.engines import SamplingParams
+from producers.engines import GenerationInterrupted, SamplingParams
 from producers.search_server import SearchServer
 from producers.search_tool import SearchTool
 
@@ -88,22 +89,30 @@ def test_the_openai_agent_workflow_rolls_out_an_agents_sessions_as_its_samples(h
     prompt = Prompt(prompt_id="p0", source="search", task_type="search", text=EPISODE[0], answer=EPISODE[3],
                     n_samples=3)
 
-    async def main():
-        async with SearchServer() as search_server:
-            search = SearchTool(search_server.url)
-            batcher = EngineBatcher(engine)
-            try:
-                return await workflow.rollout(prompt, {"actor": batcher},
-                                              SamplingParams(max_new_tokens=80, temperature=0.0), {"search": search})
-            finally:
-                batcher.close()
-                await search.close()
-                await workflow.close()
+    def rollout():
+        async def main():
+            async with SearchServer() as search_server:
+                search = SearchTool(search_server.url)
+                batcher = EngineBatcher(engine)
+                try:
+                    return await workflow.rollout(prompt, {"actor": batcher},
+                                                  SamplingParams(max_new_tokens=80, temperature=0.0),
+                                                  {"search": search})
+                finally:
+                    batcher.close()
+                    await search.close()
+                    await workflow.close()
+        return asyncio.run(main())
 
-    [group] = asyncio.run(main())
+    [group] = rollout()
     ids, mask = episode_ids(engine.tokenizer, *EPISODE)
     assert group.workflow == "openai_agent" and len(group.samples) == 3
     for s in group.samples:
         assert (s.input_ids.tolist(), s.loss_mask.tolist(), s.reward, s.turns) == (ids, mask, 1.0, 2)
+    # an interrupted engine call reaches the agent as HTTP 503, and the worker as the interruption it is
+    engine.interrupt = threading.Event()
+    engine.interrupt.set()
+    with pytest.raises(GenerationInterrupted):
+        rollout()
     with pytest.raises(ValueError, match="is not an async function"):
         get_workflow("openai_agent", agent=f"{agent[:-len(':agent')]}:SEARCH")
