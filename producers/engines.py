@@ -55,6 +55,10 @@ class SamplingParams:
             none, so every sequence runs to ``max_new_tokens``.
         seed: seed for this call's sampling; ``None`` uses the engine's own
             random stream.
+        stop: strings that end a sequence once its decoded text contains one (the
+            tokens up to the one completing it are kept, finish reason ``stop``):
+            the end of a tool call (``</tool_call>``), as vLLM's and SGLang's
+            ``stop``. ``()``: none.
     """
 
     max_new_tokens: int = 64
@@ -62,6 +66,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -70,6 +75,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop has an empty string: {self.stop!r}")
 
 
 @dataclass
@@ -79,7 +86,7 @@ class Generation:
     Attributes:
         output_ids: int32[N] generated tokens, including a final stop token if any.
         logprobs: float32[N] behaviour logprob of each generated token (module docstring).
-        finish_reason: ``stop`` (a stop token was generated) or ``length``.
+        finish_reason: ``stop`` (a stop token or stop string was generated) or ``length``.
         version: the weight version that generated it.
     """
 

@@ -20,7 +20,8 @@ class HFEngine(Engine):
     one prefill pass builds the cache, then each step feeds one token per row.
     Identical prompts (the G samples of a GRPO group) are prefilled once and
     their cache rows copied, as prefix caching does in SGLang and vLLM.
-    Rows that have stopped are dropped from the decode batch (their cache rows
+    A row stops at a stop token or once its generated text holds a stop
+    string (``SamplingParams.stop``). Rows that have stopped are dropped from the decode batch (their cache rows
     too) once they are an eighth of it; until then they run on a pad token,
     their outputs ignored. A chunk ends when every row stopped or
     ``max_new_tokens`` is reached.
@@ -52,6 +53,7 @@ class HFEngine(Engine):
         pad = self._tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self._tokenizer.eos_token_id or 0)
         self._lock = threading.Lock()
+        self._stop_ends_cache: dict[tuple[str, ...], torch.Tensor] = {}
         # the KV-cache argument and output field: `cache` in transformers >= 5.x, `past_key_values` before
         self._cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
@@ -88,6 +90,7 @@ class HFEngine(Engine):
         ids, mask = ids.to(dev), mask.to(dev)
         positions = (mask.cumsum(1) - 1).clamp_(min=0)
         stops = torch.tensor(self.stop_ids(sampling), dtype=torch.long, device=dev)
+        can_stop = bool(stops.numel() or sampling.stop)
         steps = sampling.max_new_tokens
         tokens = torch.empty((n, steps), dtype=torch.long, device=dev)
         logps = torch.empty((n, steps), dtype=torch.float32, device=dev)
@@ -107,8 +110,10 @@ class HFEngine(Engine):
             finished = done[live]
             tok = tok.masked_fill_(finished, self.pad_id)
             tokens[live, t], logps[live, t] = tok, logp  # past a row's length: cut off below
-            if stops.numel():
+            if can_stop:
                 hit = torch.isin(tok, stops) & ~finished
+                if sampling.stop:
+                    hit |= self._stop_string_hits(tokens, live, tok, t, ~finished, sampling.stop)
                 length[live[hit]] = t + 1
                 done[live[hit]] = True
                 finished |= hit
@@ -116,7 +121,7 @@ class HFEngine(Engine):
                     break
             if t + 1 == steps:
                 break
-            if stops.numel() and 8 * int(finished.sum()) >= len(live):  # drop stopped rows: an eighth of the pass
+            if can_stop and 8 * int(finished.sum()) >= len(live):  # drop stopped rows: an eighth of the pass
                 keep = (~finished).nonzero()[:, 0]
                 cache.reorder_cache(keep)
                 live, tok, mask, next_pos = live[keep], tok[keep], mask[keep], next_pos[keep]
@@ -130,6 +135,37 @@ class HFEngine(Engine):
         return [Generation(output_ids=tokens[i, :lengths[i]].copy(), logprobs=logps[i, :lengths[i]].copy(),
                            finish_reason="stop" if stopped[i] else "length", version=self._version)
                 for i in range(n)]
+
+    def _stop_string_hits(self, tokens: torch.Tensor, live: torch.Tensor, tok: torch.Tensor, t: int,
+                          running: torch.Tensor, stop: tuple[str, ...]) -> torch.Tensor:
+        """Which rows of the pass complete a stop string with token ``t``: bool[len(live)].
+
+        Only rows still running whose new token decodes to text holding the last character of a stop string
+        are decoded, over their last ``max(len(stop)) + 4`` tokens (a token is at least one character), so a
+        step costs one vocabulary lookup and a few short decodes. A stop string is matched in generated text
+        only (never across the prompt's end), as vLLM and SGLang match it.
+        """
+        ends = self._stop_ends(stop)
+        maybe = (ends.to(tok.device)[tok] & running).nonzero()[:, 0].tolist()
+        hits = torch.zeros(len(live), dtype=torch.bool, device=tok.device)
+        window = max(map(len, stop)) + 4
+        for j in maybe:
+            tail = tokens[int(live[j]), max(0, t + 1 - window):t + 1].tolist()
+            text = self._tokenizer.decode(tail, skip_special_tokens=False)
+            hits[j] = any(s in text for s in stop)
+        return hits
+
+    def _stop_ends(self, stop: tuple[str, ...]) -> torch.Tensor:
+        """bool[vocab]: the tokens whose text holds the last character of a stop string (cached per ``stop``)."""
+        if stop not in self._stop_ends_cache:
+            last = {s[-1] for s in stop}
+            texts = self._tokenizer.batch_decode([[i] for i in range(len(self._tokenizer))],
+                                                 skip_special_tokens=False)
+            size = max(len(texts), self.model.get_input_embeddings().num_embeddings)
+            ends = torch.zeros(size, dtype=torch.bool)
+            ends[:len(texts)] = torch.tensor([any(c in text for c in last) for text in texts], dtype=torch.bool)
+            self._stop_ends_cache[stop] = ends
+        return self._stop_ends_cache[stop]
 
     @staticmethod
     def _sample(logits: torch.Tensor, sampling: SamplingParams,

@@ -210,6 +210,9 @@ class RaasWorker:
         self.names = TopicNames(cfg.run)
         self.workflow = get_workflow(cfg.workflow.name, policies=cfg.workflow.roles or None,
                                      **cfg.workflow.options)
+        for name in sorted(set(self.workflow.tools) - cfg.tools.names()):  # an environment's own, known once built
+            raise ValueError(f"tools.{name}: workflow {cfg.workflow.name!r} calls the tool {name!r}, and the config "
+                             f"does not configure it (configured tools: {sorted(cfg.tools.names()) or 'none'})")
         self.policies = sorted(set(self.workflow.policies.values()))
         missing = set(self.policies) - set(cfg.policies)
         if missing:
@@ -755,6 +758,7 @@ class RaasWorker:
             if pending:
                 self.loop.run_until_complete(asyncio.wait(pending))
             closes: list[tuple[str, Callable[[], object] | None]] = [
+                ("workflow", self.workflow.close),
                 *((f"tool {name}", getattr(tool, "close", None)) for name, tool in self.tools.items()),
                 *((f"engine batcher {p}", b.close) for p, b in self.batchers.items()),
                 ("event loop", self.loop.close), ("consumer", self.consumer.close),

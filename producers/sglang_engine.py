@@ -353,6 +353,8 @@ class SGLangEngine(Engine):
             "ignore_eos": not stops,  # ignore_eos skips every stop check: only for an empty stop set
             "skip_special_tokens": False,
         }
+        if sampling.stop:  # output_ids keep the token completing a stop string (only the text is trimmed)
+            params["stop"] = list(sampling.stop)
         return {"input_ids": [[int(t) for t in row] for row in batch], "sampling_params": params,
                 "return_logprob": True, "logprob_start_len": -1}
 

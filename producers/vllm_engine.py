@@ -97,6 +97,8 @@ class VLLMEngine(Engine):
                    "temperature": sampling.temperature, "top_p": 1.0, "n": 1, "logprobs": 0,
                    "return_tokens_as_token_ids": True, "stop_token_ids": stops, "ignore_eos": not stops,
                    "skip_special_tokens": False}
+        if sampling.stop:  # the token completing a stop string stays in the output, as HFEngine keeps it
+            payload |= {"stop": list(sampling.stop), "include_stop_str_in_output": True}
         if sampling.seed is not None:
             payload["seed"] = sampling.seed
         with self._gate.generating():

@@ -185,9 +185,14 @@ class Workflow(abc.ABC):
             try:
                 return await self.rollout(prompt, batchers, sampling, tools or {})
             finally:
+                await self.close()
                 for b in batchers.values():
                     b.close()
         return asyncio.run(one())
+
+    async def close(self) -> None:
+        """Release what the workflow holds in the event loop it ran in (an environment's MCP servers); the next
+        rollout starts them anew. The RaaS worker calls it as it stops; :meth:`run` after each rollout."""
 
     def engine(self, engines: Mapping[str, EngineBatcher], role: str) -> EngineBatcher:
         """The engine playing ``role``.
@@ -562,3 +567,7 @@ class SearchAgent(ToolLoop):
         if "search" not in tools:
             raise KeyError(f"workflow {self.name!r} calls the search tool, and none is configured (tools.search)")
         return await tools["search"](argument)
+
+
+from producers import chat_server as _chat_server  # noqa: E402,F401  the "openai_agent" workflow registers itself
+from producers import environments as _environments  # noqa: E402,F401  the "environment" workflow registers itself

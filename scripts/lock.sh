@@ -4,12 +4,14 @@
 # read the locks, they never write them.
 #   scripts/lock.sh [--upgrade]        (--upgrade takes the newest versions allowed)
 # Profiles: dev (what CI installs), gpu (dev + the gpu extra), tracking (dev + tracking), bench (dev + TRL,
-# the baseline of scripts/bench_vs_trl.py, and py-spy).
+# the baseline of scripts/bench_vs_trl.py, and py-spy). Every profile but gpu has the environments extra too
+# (verifiers and sglang pin incompatible openai versions).
 # Locks are for CPython 3.11 on x86_64 manylinux, with sha256 hashes.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 for profile in dev gpu tracking bench; do
   extras=(--extra dev)
+  [ "$profile" = gpu ] || extras+=(--extra environments)
   [ "$profile" = dev ] || extras+=(--extra "$profile")
   echo "[lock] requirements/$profile.lock" >&2
   scripts/uv.sh pip compile setup.cfg "${extras[@]}" "$@" \

@@ -1,5 +1,6 @@
 """HFEngine on the tiny model: batching, stopping, logprob exactness, weight loading, interruption (SGLang:
 test_sglang_engine.py)."""
+import dataclasses
 import threading
 
 import numpy as np
@@ -70,6 +71,24 @@ def test_greedy_matches_hf_generate(engine):
     nucleus = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1e-6, seed=0))[0]
     assert nucleus.output_ids.tolist() == ours.output_ids.tolist()
     np.testing.assert_allclose(nucleus.logprobs, ours.logprobs, atol=1e-5)
+
+
+def test_a_stop_string_ends_a_row_at_the_token_completing_it(tiny_model_dir):
+    eng = HFEngine(tiny_model_dir, dtype=torch.float32)
+    batch = _encode(eng, PROMPTS)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=())
+    full = eng.generate(batch, greedy)
+    decode = eng.tokenizer.decode
+    stop = decode(full[0].output_ids[1:3].tolist())  # the text of the first row's 2nd and 3rd tokens
+    cut = eng.generate(batch, dataclasses.replace(greedy, stop=(stop, "never generated")))
+    for g, whole in zip(cut, full):  # a row stops with the first token whose text completes the stop string
+        ends = [k for k in range(1, 13) if stop in decode(whole.output_ids[:k].tolist())]
+        n = ends[0] if ends else 12
+        assert (g.finish_reason, g.output_ids.tolist()) == ("stop" if ends else "length", whole.output_ids[:n].tolist())
+        np.testing.assert_allclose(g.logprobs, whole.logprobs[:n], atol=1e-5)
+    assert cut[0].output_ids.tolist() == full[0].output_ids[:3].tolist()
+    with pytest.raises(ValueError, match="empty string"):
+        SamplingParams(stop=("",))
 
 
 def test_load_weights_in_place_sets_version(tiny_model_dir):

@@ -175,6 +175,8 @@ def test_stop_ids_are_sent_and_ignore_eos_stays_false(fake, engine):
     engine.generate([[1]], SamplingParams(stop_token_ids=()))  # no stop token at all: only then ignore_eos
     params = fake.bodies("/generate")[-1]["sampling_params"]
     assert (params["stop_token_ids"], params["ignore_eos"]) == ([], True)
+    engine.generate([[1]], SamplingParams(stop=("</tool_call>",)))  # stop strings go as SGLang's `stop`
+    assert fake.bodies("/generate")[-1]["sampling_params"]["stop"] == ["</tool_call>"]
 
 
 def test_top_p_below_one_is_sent_as_is_and_logprobs_are_the_servers(fake, engine):
