@@ -157,15 +157,16 @@ class WorkflowConfig(_Strict):
         if self.module is None:
             return self
         from policies.registry import import_user_module
-        from producers.workflows import WORKFLOWS
+        from producers.workflows import registered_workflows
 
         try:
             import_user_module(self.module)
         except ImportError as e:
             raise ValueError(f"workflow.module: cannot import {self.module!r}: {e}") from None
-        if self.name not in WORKFLOWS:
+        workflows = registered_workflows()
+        if self.name not in workflows:
             raise ValueError(f"workflow.module {self.module!r} registers no workflow {self.name!r} (registered: "
-                             f"{sorted(WORKFLOWS)})")
+                             f"{sorted(workflows)})")
         return self
 
     def check_tools(self, tools: ToolsConfig) -> None:
@@ -176,9 +177,9 @@ class WorkflowConfig(_Strict):
         Raises:
             ValueError: a declared tool ``tools`` lacks, naming the field ``tools.<name>``.
         """
-        from producers.workflows import WORKFLOWS
+        from producers.workflows import registered_workflows
 
-        workflow = WORKFLOWS.get(self.name)
+        workflow = registered_workflows().get(self.name)
         configured = tools.names()
         for name in workflow.tools if workflow is not None else ():
             if name not in configured:

@@ -23,6 +23,7 @@ import asyncio
 import contextvars
 import dataclasses
 import hashlib
+import importlib
 from typing import Any, Awaitable, Callable, ClassVar, Mapping
 
 import numpy as np
@@ -54,6 +55,18 @@ def register_workflow(name: str) -> Callable[[type["Workflow"]], type["Workflow"
     return deco
 
 
+#: modules that define built-in workflows outside this one (they import it, so they are imported on first use)
+BUILTIN_WORKFLOW_MODULES = ("producers.environments", "producers.chat_server")
+
+
+def registered_workflows() -> dict[str, type["Workflow"]]:
+    """:data:`WORKFLOWS`, once the modules of the built-in workflows defined outside this one are imported
+    (:data:`BUILTIN_WORKFLOW_MODULES`)."""
+    for module in BUILTIN_WORKFLOW_MODULES:
+        importlib.import_module(module)
+    return WORKFLOWS
+
+
 def get_workflow(name: str, **config: Any) -> "Workflow":
     """Instantiate the workflow registered as ``name`` with ``config`` (``policies=...`` and options).
 
@@ -61,9 +74,10 @@ def get_workflow(name: str, **config: Any) -> "Workflow":
         KeyError: no workflow of that name (the message lists the known ones).
         ValueError/TypeError: a bad config (unknown role or option).
     """
-    if name not in WORKFLOWS:
-        raise KeyError(f"unknown workflow {name!r}; registered: {sorted(WORKFLOWS)}")
-    return WORKFLOWS[name](**config)
+    workflows = registered_workflows()
+    if name not in workflows:
+        raise KeyError(f"unknown workflow {name!r}; registered: {sorted(workflows)}")
+    return workflows[name](**config)
 
 
 def prompt_ids(tokenizer: Any, prompt: Prompt | str) -> list[int]:
@@ -568,6 +582,3 @@ class SearchAgent(ToolLoop):
             raise KeyError(f"workflow {self.name!r} calls the search tool, and none is configured (tools.search)")
         return await tools["search"](argument)
 
-
-from producers import chat_server as _chat_server  # noqa: E402,F401  the "openai_agent" workflow registers itself
-from producers import environments as _environments  # noqa: E402,F401  the "environment" workflow registers itself
