@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Agentic RL with a slow tool: the synchronous loop, the lockstep pipeline and the episode-scheduling pipeline.
+"""Agentic RL with a slow tool: the synchronous loop, the lockstep pipeline, the episode-scheduling pipeline, TRL.
 
 The workload is search-tiny's (``examples/search-tiny.yaml``): the built-in ``tiny-search`` model, the
 ``search`` source, the ``search_agent`` workflow (model turn 1 ``<search>name</search>``, the search tool's
@@ -19,8 +19,15 @@ Arms:
 * ``pipeline-1``: ``astraflow run examples/search-tiny.yaml`` with ``raas.max_episodes`` = G: the RaaS worker
   rolls out one prompt's episodes at a time (the lockstep behaviour before episode scheduling).
 * ``pipeline``: the same with the example's ``raas.max_episodes`` (episodes of many prompts in flight).
-* ``trl``: TRL's ``GRPOTrainer`` would be the outside baseline; it is not run (``vs_trl`` null), and
-  ``trl_why`` says why, as found on this machine (:func:`trl_status`).
+* ``trl``: the outside baseline, TRL's ``GRPOTrainer`` (one process, ``--sync-threads`` torch threads, and a
+  search-server process) with ``tools=[search]``, ``search`` a typed async function calling the same search server
+  (:func:`trl_child`). TRL's tool loop parses JSON function calls from a chat template, so this arm runs
+  ``tiny-search-hermes`` (``scripts/make_tiny_hermes_model.py``: the same model and calibration, its episodes in
+  the hermes chat format), while the other arms run the example's tag-format model: ``trl_note`` gives both
+  models' tokens per episode. Its runs are capped by ``--trl-max-run-s`` (TRL calls the tool once per completion,
+  one after another: ~1.5 min per step at 0.3 s). When trl is not installed (it is only in the ``bench`` install
+  profile) or cannot call tools with the model, the arm is skipped and ``trl_why`` says why
+  (:func:`trl_unavailable`); a failed run's error goes to ``trl_errors``.
 
 Per arm and latency, each repetition reports:
 
@@ -54,12 +61,15 @@ cores; ``--quick`` (16 steps, 4 warm-up, 80 s, 1 round, latencies 0 and 0.3) ~7 
 ``tiny-search`` when it is not cached: ~4 minutes).
 
 Ends with one JSON line ``{"metric": "agentic", "latency_hidden": pipeline steps/s at 0.3 s / at 0 s,
-"vs_sync": pipeline / sync steps/s at 0.3 s, "vs_trl": null, "trl_why": ..., "steps_per_s": {arm: {latency:
-median}}, "runs": ..., "spread": ..., "cpu_busy": ..., "stale_dropped": ..., "time_to_reward_s": ..., ...}``.
+"vs_sync": pipeline / sync steps/s at 0.3 s, "vs_trl": pipeline / trl steps/s at 0.3 s (null when the trl arm
+did not run there), "trl_why": null or why not, "trl_note": what differs between the arms, "steps_per_s": {arm:
+{latency: median}}, "runs": ..., "spread": ..., "cpu_busy": ..., "stale_dropped": ..., "time_to_reward_s": ...,
+...}``. The reward threshold of time to reward is from the runs of our arms (the trl arm's model is another).
 
-Usage: ``scripts/bench_agentic.py [--quick] [--latencies 0,0.1,0.3,1] [--arms sync,pipeline-1,pipeline]
+Usage: ``scripts/bench_agentic.py [--quick] [--latencies 0,0.1,0.3,1] [--arms sync,pipeline-1,pipeline,trl]
 [--rounds N] [--steps N] [--warmup K] [--max-run-s S] [--sync-threads T] [--reward-threshold R] [--window W]
-[--place KIND=CPUS[:THREADS] ...] [--set KEY=VALUE ...] [--plot PATH] [--keep-runs DIR]``; a smoke run:
+[--place KIND=CPUS[:THREADS] ...] [--set KEY=VALUE ...] [--plot PATH] [--keep-runs DIR] [--trl-max-run-s S]
+[--trl-model NAME]``; a smoke run:
 ``--steps 6 --warmup 2 --latencies 0,0.3 --rounds 1``.
 """
 from __future__ import annotations
@@ -87,7 +97,7 @@ from astraflow.placement import placement_overrides  # noqa: E402  (after sys.pa
 from scripts.bench_staleness import moving_average  # noqa: E402
 
 CONFIG = ROOT / "examples" / "search-tiny.yaml"
-ARMS = ("sync", "pipeline-1", "pipeline")
+ARMS = ("sync", "pipeline-1", "pipeline", "trl")
 #: p99 of the tool's latency as a multiple of its median.
 P99_FACTOR = 10.0
 #: The latency (median, s) at which ``vs_sync`` and ``latency_hidden`` are read.
@@ -263,13 +273,27 @@ def start_search_server(median_s: float, seed: int, corpus: Path | None) -> tupl
     return proc, url
 
 
+def own_cpu_s() -> float:
+    """User + system CPU seconds of this process and its descendants so far (those alive now)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in (me, *me.children(recursive=True)):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def sync_child(args: argparse.Namespace) -> None:
     """Body of the sync arm at latency ``args.latency``: roll out a batch (all its episodes concurrent), train,
     load the weights, in turn; prints one JSON line ``{"ends", "rewards", "cpu", ...}`` (times ``time.time()``)."""
     t_launch = time.time()  # --max-run-s counts from here, imports and loading included
     import asyncio
 
-    import psutil
     import torch
 
     torch.set_num_threads(args.sync_child)
@@ -289,18 +313,6 @@ def sync_child(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, arm_overrides(args, "sync", args.latency, policy, group))
     pc, search = cfg.policies[policy], cfg.tools.search
     server, server_url = start_search_server(args.latency, search.seed, search.corpus)  # starts while we load
-    me = psutil.Process()
-
-    def cpu_s() -> float:
-        total = 0.0
-        for p in (me, *me.children(recursive=True)):
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
-
     try:
         model_dir = resolve_model(pc.model)
         engine = HFEngine(model_dir)
@@ -320,7 +332,7 @@ def sync_child(args: argparse.Namespace) -> None:
             per_prompt = await asyncio.gather(*(workflow.rollout(p, engines, sampling, tools) for p in prompts))
             return [g for groups in per_prompt for g in groups if g.policy == policy]
 
-        index, ends, rewards, trained, cpu = 0, {}, {}, {}, [(time.time(), cpu_s())]
+        index, ends, rewards, trained, cpu = 0, {}, {}, {}, [(time.time(), own_cpu_s())]
         for step in range(1, args.steps + 1):
             prompts = []
             for _ in range(pc.batch_groups):
@@ -330,7 +342,7 @@ def sync_child(args: argparse.Namespace) -> None:
             metrics = trainer.train_step(groups).metrics
             engine.load_weights(trainer.publish_state(), trainer.version)
             ends[step], rewards[step], trained[step] = time.time(), float(metrics["reward_mean"]), len(groups)
-            cpu.append((ends[step], cpu_s()))
+            cpu.append((ends[step], own_cpu_s()))
             if time.time() - t_launch > args.max_run_s:
                 break
         out = {"ends": ends, "rewards": rewards, "groups": trained, "cpu": cpu, "stale_dropped": 0,
@@ -346,26 +358,6 @@ def sync_child(args: argparse.Namespace) -> None:
         except subprocess.TimeoutExpired:
             server.kill()
     print(json.dumps(out))
-
-
-def run_sync(args: argparse.Namespace, median_s: float) -> dict:
-    """The sync arm in a child process; returns its record (``ends``/``rewards`` keyed by int step).
-
-    Raises:
-        RuntimeError: the child failed (its stderr tail is in the message).
-    """
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_sync-child", str(args.sync_threads),
-           "--_latency", repr(median_s), f"--config={args.config}", f"--steps={args.steps}", f"--warmup={args.warmup}",
-           f"--max-run-s={args.max_run_s}", *(f"--set={o}" for o in args.set)]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                         env=dict(os.environ, OMP_NUM_THREADS=str(args.sync_threads)))
-    if out.returncode != 0:
-        raise RuntimeError(f"sync arm failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    rec = json.loads(out.stdout.strip().splitlines()[-1])
-    rec["ends"] = {int(k): v for k, v in rec["ends"].items()}
-    rec["rewards"] = {int(k): v for k, v in rec["rewards"].items()}
-    rec["groups"] = {int(k): v for k, v in rec["groups"].items()}
-    return rec
 
 
 # -- the pipeline arms ---------------------------------------------------------------------------
@@ -446,43 +438,180 @@ def run_pipeline(args: argparse.Namespace, arm: str, median_s: float, policy: st
 
 
 # -- TRL -----------------------------------------------------------------------------------------
-def trl_status(model: str) -> str:
-    """Why the TRL arm is not run here, as found on this machine (whether trl imports, and whether its
-    GRPOTrainer could call our tool with the model's tokenizer)."""
-    template = None
+#: The model of the TRL arm: the tiny search model that calls its tool in the hermes format (TRL's tool loop parses
+#: JSON function calls from the chat format; the tag model's ``<search>name</search>`` is not one).
+TRL_MODEL = "tiny-search-hermes"
+
+
+def trl_child(args: argparse.Namespace) -> None:
+    """Body of the trl arm at latency ``args.latency``: TRL's ``GRPOTrainer`` with ``tools=[search]`` on
+    :data:`TRL_MODEL`, the workload's questions, G, batch, step count, learning rate, KL coefficient and
+    temperature; ``search`` is a typed async function that calls the same seeded search server through
+    :class:`~producers.search_tool.SearchTool`. One tool-calling iteration (search, then the answer, as the
+    workflow's ``max_turns: 2``); reward 1 when the last assistant message, stripped, is the code. Prints one JSON
+    line ``{"ends", "rewards", "cpu", ...}`` (times ``time.time()``) as :func:`sync_child`."""
+    t_launch = time.time()
+    import torch
+
+    torch.set_num_threads(args.trl_child)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from astraflow.config import load_config
+    from producers.search_tool import SearchTool
+    from producers.sources import load_source
+    from weights.models import resolve_model
+
+    base = load_config(args.config, args.set)
+    policy = the_policy(base)
+    group = base.data.n_samples
+    cfg = load_config(args.config, arm_overrides(args, "trl", args.latency, policy, group))
+    pc, search_cfg = cfg.policies[policy], cfg.tools.search
+    tc = cfg.trainer_config(policy)
+    server, server_url = start_search_server(args.latency, search_cfg.seed, search_cfg.corpus)
     try:
-        from transformers import AutoTokenizer
+        model_dir = resolve_model(args.trl_model)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        src = cfg.data.sources[0]
+        source = load_source(src.name, adapter=src.adapter, split=src.split, seed=cfg.seed,
+                             max_prompt_chars=cfg.data.max_prompt_chars)
+        n_prompts = pc.batch_groups * args.steps
+        rows = [source[i % len(source)] for i in range(n_prompts)]  # the sync arm's prompts, in its order
+        dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p.text.strip()}],
+                                      "answer": p.answer} for p in rows])
+        tool = SearchTool(server_url(), timeout_s=search_cfg.timeout_s, top_k=search_cfg.top_k)
 
-        from weights.models import resolve_model
+        async def search(query: str) -> str:
+            """Search the knowledge base.
 
-        template = AutoTokenizer.from_pretrained(resolve_model(model)).chat_template
-    except Exception as e:  # noqa: BLE001 - only a reason string is made here
-        template = f"<unreadable: {type(e).__name__}: {e}>"
-    about = (f"the {model} tokenizer's chat template ({template!r}) renders only message contents: no tool schema, "
-             "no assistant tool_calls, no tool role; and the model calls its tool in plain text "
-             "(<search>name</search>), where GRPOTrainer's tool loop parses JSON function calls from the chat "
-             "format with the tokenizer's response schema")
+            Args:
+                query: what to look up
+            """
+            return await tool(query)
+
+        def correct(completions: list, answer: list, **_) -> list[float]:
+            """1.0 when the last assistant message of a completion, stripped, is the answer, else 0.0."""
+            out = []
+            for messages, want in zip(completions, answer):
+                said = [m.get("content") or "" for m in messages if m.get("role") == "assistant"]
+                out.append(float(bool(said) and said[-1].strip() == want))
+            return out
+
+        ends, rewards, cpu = {}, {}, [(time.time(), own_cpu_s())]
+
+        class Clock(TrainerCallback):
+            """Records each optimiser step's end and reward; stops the run after ``--max-run-s``."""
+
+            def on_log(self, _args, state, control, logs=None, **_):
+                if logs and "reward" in logs:
+                    rewards[state.global_step] = float(logs["reward"])
+
+            def on_step_end(self, _args, state, control, **_):
+                ends[state.global_step] = time.time()
+                cpu.append((ends[state.global_step], own_cpu_s()))
+                if time.time() - t_launch > args.max_run_s:
+                    control.should_training_stop = True
+
+        out_dir = tempfile.mkdtemp(prefix="bench_agentic_trl_")
+        config = GRPOConfig(
+            output_dir=out_dir, use_cpu=True, bf16=False, seed=cfg.seed, report_to=[], save_strategy="no",
+            logging_steps=1, disable_tqdm=True, max_steps=args.steps, learning_rate=tc.lr,
+            lr_scheduler_type="constant", warmup_steps=0, weight_decay=tc.weight_decay,
+            adam_beta1=tc.betas[0], adam_beta2=tc.betas[1], max_grad_norm=tc.max_grad_norm, beta=tc.kl_coef,
+            epsilon=tc.clip_low, num_generations=group, per_device_train_batch_size=pc.batch_groups * group,
+            gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=0,
+            max_completion_length=TRL_COMPLETION_TOKENS, max_tool_calling_iterations=1, shuffle_dataset=False,
+            generation_kwargs={"max_new_tokens": cfg.sampling.max_new_tokens},  # per turn, as the workflow's
+            gradient_checkpointing=False, dataloader_num_workers=0)
+        trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=correct, args=config,
+                              train_dataset=dataset, tools=[search], callbacks=[Clock()])
+        trainer.train()
+        done = max(ends, default=0)
+        out = {"ends": ends, "rewards": rewards, "groups": {}, "cpu": cpu, "stale_dropped": 0,
+               "capped": done < args.steps, "tool_p50_s": tool.percentiles().get("p50"),
+               "tool_errors": sum(tool.errors.values()), "tool_calls": tool.calls, "engine_batch": None}
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    print(json.dumps(out))
+
+
+#: TRL's ``max_completion_length``: the most tokens of a completion, its call turn, the tool's response turn (37
+#: tokens for a one-line result) and the answer (each generation is capped at ``sampling.max_new_tokens``).
+TRL_COMPLETION_TOKENS = 96
+
+
+def run_child(args: argparse.Namespace, arm: str, median_s: float) -> dict:
+    """The sync or trl arm in a child process; returns its record (``ends``/``rewards``/``groups`` keyed by int step).
+
+    Raises:
+        RuntimeError: the child failed (its stderr tail is in the message).
+    """
+    flag = "--_sync-child" if arm == "sync" else "--_trl-child"
+    cmd = [sys.executable, str(Path(__file__).resolve()), flag, str(args.sync_threads),
+           "--_latency", repr(median_s), f"--config={args.config}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+           f"--max-run-s={args.trl_max_run_s if arm == 'trl' else args.max_run_s}", f"--trl-model={args.trl_model}",
+           *(f"--set={o}" for o in args.set)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, OMP_NUM_THREADS=str(args.sync_threads)))
+    if out.returncode != 0:
+        raise RuntimeError(f"{arm} arm failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("ends", "rewards", "groups"):
+        rec[key] = {int(k): v for k, v in rec[key].items()}
+    return rec
+
+
+def trl_unavailable(model: str) -> str | None:
+    """Why TRL's GRPOTrainer cannot run its tool loop on ``model`` here (trl not installed, or the model's chat
+    template not one it can call tools with: ``trl.chat_template_utils.supports_tool_calling``), or None."""
     if importlib.util.find_spec("trl") is None:
         return (f"trl is not installed in this environment ({sys.prefix}); it is only in the `bench` install "
-                "profile (scripts/install.sh bench, requirements/bench.lock). Even installed, GRPOTrainer(tools=...) "
-                "(as read in TRL's source, v1.9 and main) refuses at init a chat template that cannot render a "
-                "tool-calling conversation (trl.chat_template_utils.supports_tool_calling) and a template it does "
-                "not recognise for response parsing (add_response_schema: 'Unrecognized chat template'): " + about)
+                "profile (scripts/install.sh bench, requirements/bench.lock)")
     try:
         import trl
-        from trl.chat_template_utils import supports_tool_calling
         from transformers import AutoTokenizer
+        from trl.chat_template_utils import supports_tool_calling
 
         from weights.models import resolve_model
 
-        ok = supports_tool_calling(AutoTokenizer.from_pretrained(resolve_model(model)))
-    except Exception as e:  # noqa: BLE001
-        return (f"trl imports, but its tool support could not be checked ({type(e).__name__}: {e}); " + about)
+        with contextlib.redirect_stdout(sys.stderr):
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+        ok = supports_tool_calling(tokenizer)
+    except Exception as e:  # noqa: BLE001 - only a reason string is made here
+        return f"trl imports, but its tool support could not be checked on {model} ({type(e).__name__}: {e})"
     if not ok:
         return (f"trl {trl.__version__}: GRPOTrainer(tools=...) needs a chat template that renders a tool-calling "
-                "conversation, and trl.chat_template_utils.supports_tool_calling is False for ours (its init raises "
-                "'The provided chat template does not support tool calling'): " + about)
-    return f"trl {trl.__version__} accepts the template, but a TRL arm for the search tool is not implemented: " + about
+                f"conversation, and trl.chat_template_utils.supports_tool_calling is False for {model}'s")
+    return None
+
+
+def episode_tokens(model: str) -> int:
+    """Tokens of one whole episode of ``model`` (the first knowledge-base entity): the tag model's
+    ``<bos>question<search>name</search><result>...</result>code<eos>``, the hermes model's rendered chat
+    (``calibration.json``'s ``episode_tokens``)."""
+    from weights.models import resolve_model
+
+    calibration = json.loads((resolve_model(model) / "calibration.json").read_text())
+    if "episode_tokens" in calibration:
+        return int(calibration["episode_tokens"])
+    spec = importlib.util.spec_from_file_location("make_tiny_search_model",
+                                                  ROOT / "scripts" / "make_tiny_search_model.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    name, text = next(iter(script.load_kb().items()))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+    parts = script.episode_parts(name, text, text.rsplit(" ", 1)[1])
+    return 2 + sum(len(tokenizer.encode(t, add_special_tokens=False)) for t, _ in parts)  # + <bos>, <eos>
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -503,7 +632,7 @@ def plot(results: dict, latencies: list[float], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for arm, colour in zip(results, ("tab:grey", "tab:orange", "tab:blue")):
+    for arm, colour in zip(results, ("tab:grey", "tab:orange", "tab:blue", "tab:green")):
         meds = [median_or_none([r["steps_per_s"] for r in results[arm][m]]) for m in latencies]
         ax.plot([m for m, v in zip(latencies, meds) if v is not None], [v for v in meds if v is not None],
                 "-o", color=colour, label=arm)
@@ -548,15 +677,24 @@ def main() -> None:
     parser.add_argument("--keep-runs", type=Path, default=None, help="keep the pipeline run directories here")
     parser.add_argument("--config", type=Path, default=CONFIG,
                         help="the workload (default: examples/search-tiny.yaml); read once, at the start")
+    parser.add_argument("--trl-max-run-s", type=float, default=None,
+                        help="the trl arm's cap, start-up included (default 360: its tool calls run one after "
+                             "another, ~1.5 min per step at 0.3 s on 2 busy cores)")
+    parser.add_argument("--trl-model", default=TRL_MODEL, help="the trl arm's model (a hermes-format tool caller)")
     parser.add_argument("--_sync-child", dest="sync_child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--_trl-child", dest="trl_child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_latency", dest="latency", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     q = args.quick
     args.steps = args.steps or (16 if q else 20)
     args.warmup = args.warmup if args.warmup is not None else (4 if q else 5)
     args.max_run_s = args.max_run_s or (80.0 if q else 90.0)
+    args.trl_max_run_s = args.trl_max_run_s or 360.0
     if args.sync_child is not None:
         sync_child(args)
+        return
+    if args.trl_child is not None:
+        trl_child(args)
         return
     if not args.config.is_file():
         parser.error(f"{args.config} does not exist")
@@ -602,6 +740,12 @@ def bench(args: argparse.Namespace, source: Path) -> None:
           f"{rounds} round(s); {n_cores} cores; sync threads {args.sync_threads}", flush=True)
     with contextlib.redirect_stdout(sys.stderr):  # its build log (tiny-search: a few minutes, once) stays off stdout
         resolve_model(pc.model)  # built here, not inside a timed run
+        # (resolving the trl arm's model, built here when missing)
+        trl_why = trl_unavailable(args.trl_model) if "trl" in arms else "the trl arm was not asked for (--arms)"
+    if "trl" in arms and trl_why is not None:
+        print(f"trl arm not run: {trl_why}", flush=True)
+        arms = [a for a in arms if a != "trl"]
+    trl_errors: list[str] = []
 
     results: dict[str, dict[float, list[dict]]] = {a: {m: [] for m in latencies} for a in arms}
     t_bench = time.monotonic()
@@ -610,7 +754,15 @@ def bench(args: argparse.Namespace, source: Path) -> None:
         for m in latencies:
             for arm in order:
                 t0 = time.monotonic()
-                rec = run_sync(args, m) if arm == "sync" else run_pipeline(args, arm, m, policy, group)
+                try:
+                    rec = (run_child(args, arm, m) if arm in ("sync", "trl")
+                           else run_pipeline(args, arm, m, policy, group))
+                except RuntimeError as e:
+                    if arm != "trl":
+                        raise
+                    trl_errors.append(f"latency {m:g} s: {e}")
+                    print(f"round {r + 1}: trl        latency {m:g} s failed: {e}", flush=True)
+                    continue
                 rec = summarise(rec, args.warmup, n_cores, pc.batch_groups)
                 results[arm][m].append(rec)
                 print(f"round {r + 1}: {arm:<10} latency {m:g} s: {fmt(rec['steps_per_s'])} steps/s (trainer steps/s "
@@ -622,8 +774,9 @@ def bench(args: argparse.Namespace, source: Path) -> None:
                 for line in rec.get("problems") or []:
                     print(f"    log: {line}", flush=True)
 
-    # the reward threshold: the start reward (first --window steps, every run) + 0.1, unless given
-    firsts = [rec["rewards"][s] for a in arms for m in latencies for rec in results[a][m]
+    # the reward threshold: the start reward (first --window steps, every run of our arms: the trl arm's model is
+    # another one) + 0.1, unless given
+    firsts = [rec["rewards"][s] for a in arms if a != "trl" for m in latencies for rec in results[a][m]
               for s in range(1, args.window + 1) if s in rec["rewards"]]
     start_reward = statistics.fmean(firsts) if firsts else None
     threshold = args.reward_threshold if args.reward_threshold is not None else (
@@ -666,15 +819,30 @@ def bench(args: argparse.Namespace, source: Path) -> None:
     latency_hidden = ratio(pipe.get(ref), pipe.get(zero))
     vs_sync = ratio(pipe.get(ref), med.get("sync", {}).get(ref))
     vs_lockstep = ratio(pipe.get(ref), med.get("pipeline-1", {}).get(ref))
-    trl_why = trl_status(pc.model)
+    vs_trl = ratio(pipe.get(ref), med.get("trl", {}).get(ref))
+    if trl_why is None and vs_trl is None:
+        trl_why = ("the trl arm ran but gave no steps/s at the reference latency"
+                   + (": " + " | ".join(trl_errors) if trl_errors else " (fewer than 2 steps in --trl-max-run-s)"))
+    trl_note = None
+    if "trl" in arms:
+        tokens = {pc.model: episode_tokens(pc.model), args.trl_model: episode_tokens(args.trl_model)}
+        trl_note = (f"the pipeline arms run {pc.model} (tool call <search>name</search>, {tokens[pc.model]} tokens "
+                    f"per episode); the trl arm runs {args.trl_model} (hermes <tool_call> JSON in a chat template, "
+                    f"{tokens[args.trl_model]} tokens per episode, {tokens[args.trl_model] / tokens[pc.model]:.2f}x): "
+                    "the pipeline cannot run the hermes model yet. Same questions, G, batch, steps, lr, KL "
+                    "coefficient, temperature, search server and latency; TRL's GRPOTrainer calls the tools of one "
+                    "completion after another (trl/trainer/grpo_trainer.py, _tool_call_loop), so at latency m a "
+                    "step waits ~batch x mean latency on the tool")
     print(f"latency_hidden (pipeline at {ref} s / at 0 s): {latency_hidden}; vs_sync at {ref} s: {vs_sync}; "
-          f"vs pipeline-1 at {ref} s: {vs_lockstep}\ntrl: null ({trl_why})", flush=True)
+          f"vs pipeline-1 at {ref} s: {vs_lockstep}; vs_trl at {ref} s: {vs_trl}"
+          + (f" ({trl_note})" if trl_note else "") + (f"\ntrl: {trl_why}" if trl_why else ""), flush=True)
     if args.plot is not None:
         plot(results, latencies, args.plot)
         print(f"plot: {args.plot}", flush=True)
     print(json.dumps({
         "metric": "agentic", "unit": "steps/s", "value": pipe.get(ref), "latency_hidden": latency_hidden,
-        "vs_sync": vs_sync, "vs_pipeline_1": vs_lockstep, "vs_trl": None, "trl_why": trl_why,
+        "vs_sync": vs_sync, "vs_pipeline_1": vs_lockstep, "vs_trl": vs_trl, "trl_why": trl_why,
+        "trl_note": trl_note, "trl_errors": trl_errors,
         "ref_latency_s": REF_LATENCY, "latencies_s": latencies, "p99_factor": P99_FACTOR, "arms": arms,
         "steps_per_s": med, "runs": runs, "spread": spread, "trainer_steps_per_s": raw, "short_batches": short,
         "cpu_busy": cpu,
@@ -689,7 +857,8 @@ def bench(args: argparse.Namespace, source: Path) -> None:
         "rounds": rounds, "steps": args.steps, "warmup": args.warmup, "max_run_s": args.max_run_s,
         "batch_groups": pc.batch_groups, "group": group, "max_episodes": cfg.raas.max_episodes,
         "config": str(source), "sync_threads": args.sync_threads, "cores": n_cores, "placement": args.place,
-        "model": pc.model,
+        "model": pc.model, "trl_model": args.trl_model if "trl" in arms else None,
+        "trl_max_run_s": args.trl_max_run_s,
         "bench_wall_s": round(time.monotonic() - t_bench, 1)}))
 
 

@@ -539,8 +539,23 @@ def bus_table(data: dict) -> str:
     return "\n".join(lines + ["", _provenance(data), ""])
 
 
+def agentic_table(data: dict) -> str:
+    """``data/agentic.json`` (``scripts/bench_agentic.py``): steps/s per arm and tool latency, and the ratios."""
+    lines = ["| arm | " + " | ".join(f"steps/s at {lat} s, runs" for lat in data["latencies_s"]) + " |",
+             "|---|" + "---|" * len(data["latencies_s"])]
+    for arm in data["arms"]:
+        runs = data["runs"][arm]
+        lines.append(f"| `{arm}` | " + " | ".join(", ".join(f"{r:.4f}" for r in runs[f"{lat:g}"])
+                                                 for lat in data["latencies_s"]) + " |")
+    ratios = ", ".join(f"{k} {data[k]}" for k in ("vs_sync", "vs_pipeline_1", "vs_trl", "latency_hidden")
+                       if data.get(k) is not None)
+    lines += ["", f"At {data['ref_latency_s']} s: {ratios}; {data['rounds']} round(s) of {data['steps']} steps, "
+              f"model `{data['model']}`" + (f", TRL on `{data['trl_model']}`" if data.get("trl_model") else "") + "."]
+    return "\n".join(lines + ["", _provenance(data), ""])
+
+
 #: each committed benchmark JSON's table (by file name, without ``.json``)
-BENCH_TABLES = {"stability": stability_table, "weights": weights_table, "bus": bus_table}
+BENCH_TABLES = {"stability": stability_table, "weights": weights_table, "bus": bus_table, "agentic": agentic_table}
 
 
 def bench_problems() -> list[str]:

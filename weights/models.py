@@ -1,15 +1,18 @@
 """Resolving a config's ``model`` field to an HF model directory.
 
-Two names are models built here, from a script, with no download (:data:`BUILT_MODELS`):
+Three names are models built here, from a script, with no download (:data:`BUILT_MODELS`):
 
 - ``tiny``: the tiny arithmetic model (``scripts/make_tiny_model.py``, a ~300k-parameter Qwen2 with a
   character tokenizer), about 15 s on 2 cores;
 - ``tiny-search``: the same architecture pre-trained on search episodes over
-  ``producers/data/search_kb.jsonl`` (``scripts/make_tiny_search_model.py``), about 40 s on 2 cores.
+  ``producers/data/search_kb.jsonl`` (``scripts/make_tiny_search_model.py``), about 40 s on 2 cores;
+- ``tiny-search-hermes``: the search model with a chat template that calls its tool in the hermes format
+  (``<tool_call>`` JSON, ``tool`` turns; ``scripts/make_tiny_hermes_model.py``), the caller TRL's tool loop needs.
 
 Each is built on first use and cached under ``$ASTRAFLOW_CACHE`` (default ``~/.cache/astraflow``) as
 ``<prefix>-<digest>``, the digest being the first 12 hex digits of the sha256 of the script (followed by the
-files it reads, for ``tiny-search``: ``make_tiny_model.py`` and the knowledge base), so a changed script
+files it reads: for ``tiny-search`` ``make_tiny_model.py`` and the knowledge base, for ``tiny-search-hermes``
+``make_tiny_search_model.py`` too), so a changed script
 builds anew; a file lock lets concurrent processes share one build.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SCRIPT = ROOT / "scripts" / "make_tiny_model.py"
 TINY_SEARCH_SCRIPT = ROOT / "scripts" / "make_tiny_search_model.py"
+TINY_HERMES_SCRIPT = ROOT / "scripts" / "make_tiny_hermes_model.py"
 SEARCH_KB = ROOT / "producers" / "data" / "search_kb.jsonl"
 
 
@@ -56,6 +60,8 @@ BUILT_MODELS: dict[str, BuiltModel] = {
     "tiny": BuiltModel("tiny-model", TINY_SCRIPT, "make_tiny_model"),
     "tiny-search": BuiltModel("tiny-search-model", TINY_SEARCH_SCRIPT, "make_tiny_search_model",
                               (TINY_SCRIPT, SEARCH_KB)),
+    "tiny-search-hermes": BuiltModel("tiny-search-hermes-model", TINY_HERMES_SCRIPT, "make_tiny_hermes_model",
+                                     (TINY_SCRIPT, TINY_SEARCH_SCRIPT, SEARCH_KB)),
 }
 """Model names built from scripts (:func:`built_model_dir`), by the name a config's ``model`` uses."""
 
@@ -117,7 +123,7 @@ def tiny_search_model_dir() -> Path:
 
 def resolve_model(spec: str) -> Path:
     """The model directory for a config's ``model`` value: a name in :data:`BUILT_MODELS` (``tiny``,
-    ``tiny-search``) or a path.
+    ``tiny-search``, ``tiny-search-hermes``) or a path.
 
     Raises:
         FileNotFoundError: the path is not a directory holding ``config.json``.

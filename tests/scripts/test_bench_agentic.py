@@ -99,3 +99,23 @@ def test_tree_cpu_counts_a_busy_child_after_it_exits():
     cpu.stop()
     assert cpu.samples[-1][1] >= 0.4
     assert all(b[1] >= a[1] for a, b in zip(cpu.samples, cpu.samples[1:]))
+
+
+def test_the_trl_arm_runs_on_the_hermes_tokenizer_and_says_why_not_on_the_tag_one(tmp_path):
+    """trl_unavailable: None for a model whose chat template TRL can call tools with, else the reason (here: the
+    tag model's template, which renders message contents only)."""
+    pytest.importorskip("trl", reason="trl is only in the bench profile")
+    import importlib.util
+
+    def model_dir(name: str, script: str):
+        spec = importlib.util.spec_from_file_location(script, ROOT / "scripts" / f"{script}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        out = tmp_path / name
+        module.build_tokenizer().save_pretrained(out)
+        (out / "config.json").write_text("{}")
+        return str(out)
+
+    assert bench_agentic.trl_unavailable(model_dir("hermes", "make_tiny_hermes_model")) is None
+    why = bench_agentic.trl_unavailable(model_dir("tag", "make_tiny_model"))
+    assert "supports_tool_calling is False" in why and why.endswith("tag's")
