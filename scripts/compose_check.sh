@@ -177,6 +177,10 @@ run_healthchecks &
 health_pid=$!
 
 # --- the run ------------------------------------------------------------------------------------------------------
+inventory() {  # every container, network and volume podman has (anonymous volumes carry no compose label)
+  { podman ps -aq; podman network ls -q; podman volume ls -q; } | sort
+}
+inventory >"$RUN_DIR/before"
 t_up=$(date +%s)
 log "docker-compose up -d"
 compose up -d --no-build >&2
@@ -196,7 +200,7 @@ while :; do
     read -r status code < <(state "$trainer")
     if [ "$status" = exited ] && [ "$code" = 0 ]; then trainer_rc=0; break; fi
   fi
-  version=$(metric 'astraflow_trainer_version\{' || true)
+  version=$(metric 'astraflow_durable_version\{' || true)
   if [ "$scaled" = 0 ] && [ -n "$version" ] && [ "${version%.*}" -ge 40 ]; then
     log "trainer at version ${version%.*}: docker-compose up -d --scale raas=3"
     compose up -d --no-build --no-deps --scale raas=3 raas >&2
@@ -235,7 +239,7 @@ unclean=$(for id in $(compose ps -q); do
   | awk '$3 != 0 {print $1 " exit " $3}')
 log "stopped in $stop_s s; $([ -z "$unclean" ] && echo "every container exited 0" || echo "not clean: $unclean")"
 compose down -v --remove-orphans -t 60 >&2
-left="$(podman ps -aq --filter "label=com.docker.compose.project=$PROJECT")$(podman network ls -q --filter "label=com.docker.compose.project=$PROJECT")$(podman volume ls -q --filter "label=com.docker.compose.project=$PROJECT")"
+left="$(inventory | comm -13 "$RUN_DIR/before" - | tr '\n' ' ')"
 [ -z "$left" ] && log "down -v left no container, network or volume" || log "left behind: $left"
 
 wall_s=$(( $(date +%s) - t_start ))
