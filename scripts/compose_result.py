@@ -8,8 +8,8 @@ Three reads, each of a different way in:
   and the size of the newest stored object, fetched;
 * the metrics endpoint (``--metrics``, the exporter): its ``astraflow_*`` sample lines about reward and version;
 * Kafka (``--bootstrap``), as a consumer group of its own (``--group``) attached from the host: the trainer's
-  reward per step on ``metrics`` (:class:`astraflow.monitor.RunMonitor`, offsets committed, so the group shows in
-  the broker's group list), ``reward_first`` / ``reward_last`` (:func:`astraflow.launcher.outputs.reward_summary`:
+  reward per step on ``metrics`` (:class:`astraflow.monitor.RunMonitor`) and the offsets the broker then holds
+  for the group (``group_committed``: records of ``metrics`` committed), ``reward_first`` / ``reward_last`` (:func:`astraflow.launcher.outputs.reward_summary`:
   the mean over the first and the last 20% of steps) and the exactly-once audit (:func:`astraflow.audit.audit_run`:
   ``lost``, committed prompts without a group, and groups trained twice).
 
@@ -81,11 +81,14 @@ def kafka_result(bootstrap: str, group: str, steps: int, timeout_s: float) -> di
     finally:
         monitor.close()
     first, last, _ = reward_summary(history)
+    # the broker's record of the group: its committed offsets on `metrics`
+    committed = sum(o for o in bus.admin().group_offsets(group, names.metrics).values() if o is not None)
     audit = audit_run(bus, names, POLICY, WORKFLOW)
-    print(f"Kafka {bootstrap}, group {group}: {len(dict(history))} trainer steps read; reward_first {first}, "
-          f"reward_last {last}; {audit.committed_prompts} prompts committed, {len(audit.lost)} lost, "
-          f"{len(audit.trained_twice)} groups trained twice")
-    return {"steps_read": len(dict(history)), "reward_first": None if first is None else round(first, 4),
+    print(f"Kafka {bootstrap}, group {group}: {len(dict(history))} trainer steps read, {committed} records of "
+          f"{names.metrics} committed; reward_first {first}, reward_last {last}; {audit.committed_prompts} prompts "
+          f"committed by the RaaS group, {len(audit.lost)} lost, {len(audit.trained_twice)} groups trained twice")
+    return {"steps_read": len(dict(history)), "group_committed": committed,
+            "reward_first": None if first is None else round(first, 4),
             "reward_last": None if last is None else round(last, 4), "lost": len(audit.lost),
             "trained_twice": len(audit.trained_twice), "committed_prompts": audit.committed_prompts, "group": group}
 
