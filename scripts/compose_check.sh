@@ -224,13 +224,15 @@ cat "$RUN_DIR/result.out" >&2
 result="$(tail -n 1 "$RUN_DIR/result.out")"
 
 # --- shutdown -----------------------------------------------------------------------------------------------------
-log "docker-compose stop (SIGTERM, 60 s grace)"
+log "docker-compose stop (SIGTERM; SIGKILL after each service's stop_grace_period, as for a user's down)"
 t_stop=$(date +%s)
-compose stop -t 60 >&2
+compose stop >&2
 stop_s=$(( $(date +%s) - t_stop ))
-unclean=$(for id in $(compose ps -q); do
-  printf '%s %s\n' "$(podman inspect --format '{{.Name}}' "$id")" "$(state "$id")"; done \
-  | awk '$3 != 0 && !($3 == 143 && $1 ~ /_kafka_/) {print $1 " exit " $3}')  # Kafka's JVM: 143 after its shutdown
+stopped=$(for id in $(compose ps -q); do
+  printf '%s %s %s\n' "$(podman inspect --format '{{.Name}}' "$id")" "$(state "$id")" \
+    "$(date -d "$(podman inspect --format '{{.State.FinishedAt}}' "$id" | cut -d' ' -f1,2)" +%s)"; done)
+echo "$stopped" | awk -v t="$t_stop" '$4 >= t {printf "  %s exit %s after %d s\n", $1, $3, $4 - t}' >&2
+unclean=$(echo "$stopped" | awk '$3 != 0 && !($3 == 143 && $1 ~ /_kafka_/) {print $1 " exit " $3}')  # Kafka's JVM: 143
 log "stopped in $stop_s s; $([ -z "$unclean" ] && echo "every container exited on the SIGTERM (0, or 143 for Kafka's JVM)" || echo "not clean: $unclean")"
 compose down -v --remove-orphans -t 60 >&2
 left="$(inventory | comm -13 "$RUN_DIR/before" - | tr '\n' ' ')"
