@@ -2,8 +2,10 @@
 # Create .venv at the repo root with exactly the versions in
 # requirements/<PROFILE>.lock, then install AstraFlow itself (editable, no deps).
 # Re-running is cheap: nothing happens while the lock and setup.cfg are unchanged.
-#   scripts/install.sh [PROFILE] [--lazy-bytecode]
+#   scripts/install.sh [PROFILE] [--lazy-bytecode] [--deps-only]
 #     PROFILE: dev (default, what CI uses) | gpu | tracking | bench
+#     --deps-only: install the lock's packages but not AstraFlow itself (the Dockerfile's layer of dependencies,
+#       which then outlives changes to the code); a later run without it only installs AstraFlow.
 #     --lazy-bytecode: do not compile every installed module to bytecode up front (~90 s of CPU for dev);
 #       each is compiled on its first import instead, and cached only where PYTHONDONTWRITEBYTECODE is
 #       unset (scripts/test.sh: a test run imports ~20% of the modules). A venv installed either way counts.
@@ -13,10 +15,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/venv_stamp.sh
 profile=dev
+deps_only=0
 for arg in "$@"; do
   case "$arg" in
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    -*) bytecode_option "$arg" || { echo "[install] unknown option '$arg' (options: --lazy-bytecode, --help)" >&2; exit 2; } ;;
+    --deps-only) deps_only=1 ;;
+    -*) bytecode_option "$arg" || { echo "[install] unknown option '$arg' (options: --lazy-bytecode, --deps-only, --help)" >&2; exit 2; } ;;
     *) profile="$arg" ;;
   esac
 done
@@ -42,11 +46,15 @@ want="$profile-$(cat "$lock" setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 if venv_current .venv "$want"; then
   exit 0
 fi
-[ -x .venv/bin/python ] || "$py" -m venv .venv
-echo "[install] $lock into .venv (torch is large: this can take several minutes)" >&2
-rm -f .venv/.astraflow-lock
-# --compile-bytecode: every process would otherwise compile what it imports from source (torch alone
-# ~3 s of CPU), and again in each process where PYTHONDONTWRITEBYTECODE is set.
-scripts/uv.sh pip sync --python .venv/bin/python --require-hashes $(bytecode_flags) "$lock"
+if ! venv_current .venv "deps-$want"; then
+  [ -x .venv/bin/python ] || "$py" -m venv .venv
+  echo "[install] $lock into .venv (torch is large: this can take several minutes)" >&2
+  rm -f .venv/.astraflow-lock
+  # --compile-bytecode: every process would otherwise compile what it imports from source (torch alone
+  # ~3 s of CPU), and again in each process where PYTHONDONTWRITEBYTECODE is set.
+  scripts/uv.sh pip sync --python .venv/bin/python --require-hashes $(bytecode_flags) "$lock"
+  venv_stamp .venv "deps-$want"
+fi
+[ "$deps_only" = 1 ] && exit 0
 scripts/uv.sh pip install --python .venv/bin/python --no-deps -e .
 venv_stamp .venv "$want"

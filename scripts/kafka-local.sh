@@ -3,8 +3,10 @@
 # controller in one JVM) on 127.0.0.1, fetched from Maven Central with mvn.
 # No docker needed.
 #
-#   scripts/kafka-local.sh start [--fresh]|stop|status|secure-env
+#   scripts/kafka-local.sh start [--fresh]|stop|status|secure-env|fetch
 #
+# `fetch` only fetches the jars (once) and prints their directory (scripts/compose_check.sh builds its Kafka
+# image from them).
 # `start --fresh` starts with an empty data directory (no topic, no group of earlier runs; the CA, the
 # certificates and the SCRAM password are kept), and is refused while the broker runs. The test suite's
 # brokers start so: a data directory kept across runs had grown to ~14,000 partitions, every one loaded at
@@ -183,5 +185,6 @@ case "${1:-}" in
   stop) stop ;;
   status) status ;;
   secure-env) secure_env ;;
-  *) echo "usage: $0 start [--fresh]|stop|status|secure-env" >&2; exit 2 ;;
+  fetch) fetch; echo "$LIBS" ;;
+  *) echo "usage: $0 start [--fresh]|stop|status|secure-env|fetch" >&2; exit 2 ;;
 esac

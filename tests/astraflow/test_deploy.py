@@ -60,11 +60,11 @@ def test_the_compose_file_validates_and_runs_every_component_of_the_example():
     services = _compose()["services"]
     ours = {name: s for name, s in services.items() if s.get("image") == "astraflow:cpu"}
     assert {"acquire", "raas", "policy", "trainer", "exporter"} <= set(ours)
-    assert {"kafka", "minio", "minio-init"} <= set(services)
+    assert {"kafka", "s3", "s3-init"} <= set(services)
     for name, service in ours.items():
         cfg = _check_astraflow_argv(name, _astraflow_argv(service.get("entrypoint"), service.get("command")), ROOT)
         assert cfg.bus == "kafka://kafka:19092" and cfg.store == "s3://astraflow/weights", name
-        assert service["environment"]["AWS_ENDPOINT_URL"] == "http://minio:9000"
+        assert service["environment"]["AWS_ENDPOINT_URL"] == "http://s3:8333"
         assert "container_name" not in service  # scalable
     raas = ours["raas"]
     assert "--worker-id" in _astraflow_argv(raas.get("entrypoint"), raas.get("command"))  # distinct group members
