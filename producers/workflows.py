@@ -23,6 +23,7 @@ import asyncio
 import contextvars
 import dataclasses
 import hashlib
+import importlib
 from typing import Any, Awaitable, Callable, ClassVar, Mapping
 
 import numpy as np
@@ -34,6 +35,9 @@ from producers.sandbox import SandboxLimits, run_python
 from topics.schemas import Prompt, Sample, TrajectoryGroup
 
 WORKFLOWS: dict[str, type["Workflow"]] = {}
+#: Workflows registered by a module of their own, imported when first asked for (it needs an optional package):
+#: name -> (module, the extra that installs what it needs).
+OPTIONAL_WORKFLOWS: dict[str, tuple[str, str]] = {"verifiers": ("producers.verifiers_env", "environments")}
 #: A tool an episode calls: an argument (a query, code) in, the answer the agent sees out, never raising
 #: for a failed tool (:class:`producers.search_tool.SearchTool`).
 Tool = Callable[[str], Awaitable[str]]
@@ -60,9 +64,17 @@ def get_workflow(name: str, **config: Any) -> "Workflow":
     Raises:
         KeyError: no workflow of that name (the message lists the known ones).
         ValueError/TypeError: a bad config (unknown role or option).
+        ImportError: an optional workflow's package is not installed (the message names the extra).
     """
+    if name not in WORKFLOWS and name in OPTIONAL_WORKFLOWS:
+        module, extra = OPTIONAL_WORKFLOWS[name]
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ImportError(f"workflow {name!r} needs {e.name or e}: pip install 'astraflow[{extra}]'") from e
     if name not in WORKFLOWS:
-        raise KeyError(f"unknown workflow {name!r}; registered: {sorted(WORKFLOWS)}")
+        known = sorted(set(WORKFLOWS) | set(OPTIONAL_WORKFLOWS))
+        raise KeyError(f"unknown workflow {name!r}; registered: {known}")
     return WORKFLOWS[name](**config)
 
 
