@@ -24,9 +24,10 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, Mapping
 
 import verifiers.v1 as vf
+from pydantic import Field
 from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.runtimes import ProgramResult
@@ -41,7 +42,7 @@ from topics.schemas import Prompt, Sample, TrajectoryGroup
 #: The harness id verifiers resolves to :class:`LoopbackChatHarness` (it imports a harness id as a module name).
 HARNESS_ID = "astraflow_loopback_chat"
 #: The tools the episodes of this context offer (:class:`VerifiersWorkflow` sets it for its rollout's episodes).
-episode_tools: contextvars.ContextVar[Environment] = contextvars.ContextVar("episode_tools")
+episode_tools: contextvars.ContextVar[Environment] = contextvars.ContextVar("episode_tools", default=Environment())
 #: The environment variable verifiers reads the endpoint's API key from (the endpoint takes any key).
 API_KEY_VAR = "ASTRAFLOW_CHAT_API_KEY"
 
@@ -50,7 +51,7 @@ class LoopbackChatHarnessConfig(vf.HarnessConfig):
     """:class:`LoopbackChatHarness`'s config: ``max_turns`` model turns per episode at most."""
 
     id: str = HARNESS_ID
-    max_turns: int = 4
+    max_turns: int = Field(4, ge=1)
 
 
 class LoopbackChatHarness(vf.Harness[LoopbackChatHarnessConfig]):
@@ -170,7 +171,10 @@ class VerifiersWorkflow(ChatEndpointWorkflow):
             raise ValueError(f"workflow verifiers: options.max_turns must be >= 1, got {max_turns}")
         if not timeout_s > 0:
             raise ValueError(f"workflow verifiers: options.timeout_s must be > 0, got {timeout_s}")
-        taskset_id, module = import_env_module(env)
+        try:
+            taskset_id, module = import_env_module(env)
+        except ValueError as e:
+            raise ValueError(f"workflow verifiers: options.env: {e}") from None
         try:
             config = vf.resolve_env_config({"taskset": {"id": taskset_id, **(env_args or {})}})
         except Exception as e:  # noqa: BLE001  verifiers' own errors (validation, plugin lookup), named
@@ -180,25 +184,31 @@ class VerifiersWorkflow(ChatEndpointWorkflow):
         if len(seats) != 1:
             raise ValueError(f"workflow verifiers: options.env {env!r} has the agent seats {seats}; one seat, one "
                              "session per episode, is what a sample is")
-        seat = {"harness": {"id": HARNESS_ID, "max_turns": max_turns}, "runtime": {"type": "subprocess"}}
+        # the seat's own settings stay; the policy plays it, through the loopback chat loop on the host
+        seat = getattr(config, seats[0]).model_copy(update={
+            "harness": LoopbackChatHarnessConfig(max_turns=max_turns), "runtime": vf.SubprocessConfig(),
+            "model": None, "client": None})
         self.env_config = config.model_copy(update={
-            seats[0]: vf.AgentConfig.model_validate(seat),
-            "timeout": config.timeout.model_copy(update={"episode": float(timeout_s)})})
+            seats[0]: seat, "timeout": config.timeout.model_copy(update={"episode": float(timeout_s)})})
         self.task_type = vf.load_taskset(config.taskset).task_type()
         #: the env module's ``TOOLS``, offered to the model
         self.env_tools = Environment(tools=getattr(module, "TOOLS", ()))
         #: the run's configured tools they call: the RaaS worker refuses a config without them
         self.tools = tuple(t.run_tool for t in self.env_tools.tools.values() if t.run_tool)
-        self._env: tuple[Any, vf.Env, contextlib.AsyncExitStack] | None = None
+        self._env: tuple[asyncio.AbstractEventLoop, vf.Env, contextlib.AsyncExitStack] | None = None
+        self._env_starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     async def _serving(self) -> vf.Env:
-        """The env, serving (its interception server and shared resources up) in this event loop."""
+        """The env, serving (its interception server and shared resources up), once per event loop."""
         loop = asyncio.get_running_loop()
-        if self._env is None or self._env[0] is not loop:
-            env = vf.load_environment(self.env_config)
-            stack = contextlib.AsyncExitStack()
-            await stack.enter_async_context(env.serving())
-            self._env = (loop, env, stack)
+        if self._env_starting is None or self._env_starting[0] is not loop:
+            self._env_starting = (loop, asyncio.Lock())
+        async with self._env_starting[1]:  # the rollouts of a worker's first prompts all ask at once
+            if self._env is None or self._env[0] is not loop:
+                env = vf.load_environment(self.env_config)
+                stack = contextlib.AsyncExitStack()
+                await stack.enter_async_context(env.serving())
+                self._env = (loop, env, stack)
         return self._env[1]
 
     async def close(self) -> None:
@@ -237,7 +247,8 @@ class VerifiersWorkflow(ChatEndpointWorkflow):
             ValueError: the episode failed (verifiers' errors, named), or never called the model.
         """
         client = vf.EvalClientConfig(base_url=server.url, api_key_var=API_KEY_VAR)
-        episode = await env.run_episode(task, vf.ModelContext(model=server.model, client=client))
+        episode = await env.run_episode(task, vf.ModelContext(model=server.model, client=client),
+                                        on_discard=lambda trace: server.pop_session(trace.id))
         sessions = [server.pop_session(t.id) for t in episode.traces]
         for session in sessions:
             if session.failure is not None:  # an interrupted or failed engine call stays what it is

@@ -83,7 +83,7 @@ raas: {{batch_prompts: 1, max_inflight_groups: 1000, max_episodes: 3}}
     ({}, "options.env is required"),
     ({"env": SEARCH_ENV, "max_turns": 0}, "options.max_turns must be >= 1"),
     ({"env": SEARCH_ENV, "env_args": {"limt": 2}}, "env_args"),
-    ({"env": f"{ROOT}/examples/environments/no_such_env.py"}, "cannot import"),
+    ({"env": f"{ROOT}/examples/environments/no_such_env.py"}, "options.env: cannot import"),
 ])
 def test_a_bad_verifiers_option_is_refused_naming_it(options, message):
     with pytest.raises(ValueError, match=message):
