@@ -246,37 +246,23 @@ class ChatServer:
                           "total_tokens": len(prompt_ids) + len(ids)}}
 
 
-@register_workflow("openai_agent")
-class OpenAIAgentWorkflow(Workflow):
-    """Runs an agent that drives the policy through an OpenAI client, each sample an episode of its own.
-
-    The worker serves the policy on a loopback :class:`ChatServer` (started at its first rollout, with the run's
-    sampling: its temperature and top-p, its ``max_new_tokens`` per call). Each sample calls
-    ``await agent(client=..., model=..., prompt=..., tools=...)`` with an ``openai.AsyncOpenAI`` client whose
-    requests carry the sample's session id; the agent returns its final answer (text). The sample is the
-    session's last trajectory (``loss_mask`` 1 on the model's tokens); its reward is the prompt's own
-    (:func:`producers.rewards.score_many`) of the answer.
+class ChatEndpointWorkflow(Workflow):
+    """A workflow whose episodes drive the policy through the worker's loopback :class:`ChatServer` (role
+    ``policy``), started at its first rollout with the run's sampling (its temperature and top-p, its
+    ``max_new_tokens`` per call) and stopped by :meth:`close`.
 
     Args:
         policies: role overrides; role ``policy``.
-        agent: ``module:name`` or ``file.py:name`` of the agent coroutine function.
         parser: the tool-call parser of the endpoint's replies.
 
     Raises:
-        ValueError: ``agent`` cannot be loaded or is not a coroutine function.
         KeyError: an unknown parser.
     """
 
     roles: ClassVar[dict[str, str]] = {"policy": "actor"}
 
-    def __init__(self, policies: Mapping[str, str] | None = None, agent: str | None = None,
-                 parser: str = "hermes") -> None:
+    def __init__(self, policies: Mapping[str, str] | None = None, parser: str = "hermes") -> None:
         super().__init__(policies)
-        if agent is None:
-            raise ValueError("workflow openai_agent: options.agent is required (module:name or file.py:name)")
-        self.agent = load_object(agent)
-        if not asyncio.iscoroutinefunction(self.agent):
-            raise ValueError(f"workflow openai_agent: options.agent {agent!r} is not an async function")
         get_tool_parser(parser)
         self.parser = parser
         self._server: tuple[asyncio.AbstractEventLoop, ChatServer] | None = None
@@ -299,6 +285,36 @@ class OpenAIAgentWorkflow(Workflow):
         if self._server is not None:
             await self._server[1].stop()
             self._server = None
+
+
+@register_workflow("openai_agent")
+class OpenAIAgentWorkflow(ChatEndpointWorkflow):
+    """Runs an agent that drives the policy through an OpenAI client, each sample an episode of its own.
+
+    The worker serves the policy on a loopback :class:`ChatServer` (:class:`ChatEndpointWorkflow`). Each sample
+    calls ``await agent(client=..., model=..., prompt=..., tools=...)`` with an ``openai.AsyncOpenAI`` client
+    whose requests carry the sample's session id; the agent returns its final answer (text). The sample is the
+    session's last trajectory (``loss_mask`` 1 on the model's tokens); its reward is the prompt's own
+    (:func:`producers.rewards.score_many`) of the answer.
+
+    Args:
+        policies: role overrides; role ``policy``.
+        agent: ``module:name`` or ``file.py:name`` of the agent coroutine function.
+        parser: the tool-call parser of the endpoint's replies.
+
+    Raises:
+        ValueError: ``agent`` cannot be loaded or is not a coroutine function.
+        KeyError: an unknown parser.
+    """
+
+    def __init__(self, policies: Mapping[str, str] | None = None, agent: str | None = None,
+                 parser: str = "hermes") -> None:
+        super().__init__(policies, parser)
+        if agent is None:
+            raise ValueError("workflow openai_agent: options.agent is required (module:name or file.py:name)")
+        self.agent = load_object(agent)
+        if not asyncio.iscoroutinefunction(self.agent):
+            raise ValueError(f"workflow openai_agent: options.agent {agent!r} is not an async function")
 
     async def _episode(self, server: ChatServer, prompt: Prompt, tools: Mapping[str, Tool]) -> tuple[Trajectory, str]:
         """One sample: its trajectory and the agent's answer.

@@ -35,6 +35,9 @@ from producers.sandbox import SandboxLimits, run_python
 from topics.schemas import Prompt, Sample, TrajectoryGroup
 
 WORKFLOWS: dict[str, type["Workflow"]] = {}
+#: Workflows registered by a module of their own, imported when first asked for (it needs an optional package):
+#: name -> (module, the extra that installs what it needs).
+OPTIONAL_WORKFLOWS: dict[str, tuple[str, str]] = {"verifiers": ("producers.verifiers_env", "environments")}
 #: A tool an episode calls: an argument (a query, code) in, the answer the agent sees out, never raising
 #: for a failed tool (:class:`producers.search_tool.SearchTool`).
 Tool = Callable[[str], Awaitable[str]]
@@ -59,11 +62,22 @@ def register_workflow(name: str) -> Callable[[type["Workflow"]], type["Workflow"
 BUILTIN_WORKFLOW_MODULES = ("producers.environments", "producers.chat_server")
 
 
-def registered_workflows() -> dict[str, type["Workflow"]]:
+def registered_workflows(name: str | None = None) -> dict[str, type["Workflow"]]:
     """:data:`WORKFLOWS`, once the modules of the built-in workflows defined outside this one are imported
-    (:data:`BUILTIN_WORKFLOW_MODULES`)."""
+    (:data:`BUILTIN_WORKFLOW_MODULES`), and, when ``name`` is an optional workflow (:data:`OPTIONAL_WORKFLOWS`),
+    its module too.
+
+    Raises:
+        ImportError: optional workflow ``name``'s package is not installed (the message names the extra).
+    """
     for module in BUILTIN_WORKFLOW_MODULES:
         importlib.import_module(module)
+    if name is not None and name not in WORKFLOWS and name in OPTIONAL_WORKFLOWS:
+        module, extra = OPTIONAL_WORKFLOWS[name]
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ImportError(f"workflow {name!r} needs {e.name or e}: pip install 'astraflow[{extra}]'") from e
     return WORKFLOWS
 
 
@@ -73,10 +87,12 @@ def get_workflow(name: str, **config: Any) -> "Workflow":
     Raises:
         KeyError: no workflow of that name (the message lists the known ones).
         ValueError/TypeError: a bad config (unknown role or option).
+        ImportError: an optional workflow's package is not installed (the message names the extra).
     """
-    workflows = registered_workflows()
+    workflows = registered_workflows(name)
     if name not in workflows:
-        raise KeyError(f"unknown workflow {name!r}; registered: {sorted(workflows)}")
+        known = sorted(set(workflows) | set(OPTIONAL_WORKFLOWS))
+        raise KeyError(f"unknown workflow {name!r}; registered: {known}")
     return workflows[name](**config)
 
 
