@@ -569,5 +569,5 @@ class SearchAgent(ToolLoop):
         return await tools["search"](argument)
 
 
-from producers import chat_server as _chat_server  # noqa: E402,F401  the "openai_agent" workflow registers itself
-from producers import environments as _environments  # noqa: E402,F401  the "environment" workflow registers itself
+# the "environment" workflow registers itself, and at its end the workflows built on it ("openai_agent", "openenv")
+from producers import environments as _environments  # noqa: E402,F401
