@@ -178,7 +178,7 @@ class OpenEnvEnvironment(Environment):
     docstring).
 
     Args:
-        url: the server's ``http://host:port``.
+        url: the server's ``http://host:port`` (None: refused at :meth:`open`, naming who sets it).
         action_field: the action's string field the model's text goes in (None: the action schema's only
             required string field).
         observation_field: the observation's field shown to the model (None: its only string field, else the
@@ -193,10 +193,11 @@ class OpenEnvEnvironment(Environment):
 
     answers_every_turn: ClassVar[bool] = True
 
-    def __init__(self, url: str, action_field: str | None = None, observation_field: str | None = None,
+    def __init__(self, url: str | None, action_field: str | None = None, observation_field: str | None = None,
                  max_turns: int = 8, system_prompt: str | None = None, timeout_s: float = 60.0) -> None:
         super().__init__(rubric=Rubric([episode_return]), max_turns=max_turns, system_prompt=system_prompt)
-        self.client = OpenEnvClient(url, timeout_s)
+        self.url = url
+        self.client = OpenEnvClient(url or "", timeout_s)
         self.action_field, self.observation_field = action_field, observation_field
 
     async def open(self) -> None:
@@ -205,9 +206,12 @@ class OpenEnvEnvironment(Environment):
 
         Raises:
             OpenEnvError: the server does not answer.
-            ValueError: ``action_field`` is not a string field of the action, or None and the action has not
+            ValueError: no ``url``; ``action_field`` is not a string field of the action, or None and the action has not
                 exactly one required string field.
         """
+        if self.url is None:
+            raise ValueError("workflow openenv: options.url is not set: `astraflow run` sets it for the server it "
+                             "starts from options.command; a worker run alone needs options.url")
         action = (await self.client.start())["action"]
         strings = [k for k, v in action.get("properties", {}).items() if v.get("type") == "string"]
         if self.action_field is None:
@@ -282,21 +286,21 @@ class OpenEnvWorkflow(EnvironmentWorkflow):
         policies: role overrides; role ``policy``.
         url: the server's ``http://host:port``.
         command: the server's command line, with ``{port}`` where its port goes: ``astraflow run`` starts it and
-            gives the workers its ``url``; a worker is given both.
+            gives the workers its ``url`` (a worker given a command and no url refuses its first episode).
         action_field, observation_field, max_turns, system_prompt, timeout_s: as :class:`OpenEnvEnvironment`.
 
     Raises:
-        ValueError: no ``url`` (the message says who sets it), ``max_turns`` < 1 or ``timeout_s`` <= 0.
+        ValueError: neither ``url`` nor ``command``, a ``url`` that is not http(s), ``max_turns`` < 1 or
+            ``timeout_s`` <= 0.
     """
 
     def __init__(self, policies: Mapping[str, str] | None = None, url: str | None = None, command: str | None = None,
                  action_field: str | None = None, observation_field: str | None = None, max_turns: int = 8,
                  system_prompt: str | None = None, timeout_s: float = 60.0) -> None:
-        if url is None:
-            raise ValueError("workflow openenv: options.url is required (the server's http://host:port)"
-                             + ("; options.command is started by `astraflow run`, which gives the workers its url"
-                                if command is not None else ""))
-        if not url.startswith(("http://", "https://")):
+        if url is None and command is None:
+            raise ValueError("workflow openenv: options.url (the server's http://host:port) or options.command (the "
+                             "server's command line, which `astraflow run` starts) is required")
+        if url is not None and not url.startswith(("http://", "https://")):
             raise ValueError(f"workflow openenv: options.url {url!r} is not an http:// or https:// URL")
         if max_turns < 1:
             raise ValueError(f"workflow openenv: options.max_turns must be >= 1, got {max_turns}")

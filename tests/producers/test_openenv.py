@@ -150,13 +150,12 @@ def test_episodes_play_the_servers_game_and_their_tokens_are_the_rendered_chat(g
 
 
 @needs_server
-def test_a_server_with_fewer_sessions_than_episodes_is_refused_naming_max_episodes(tmp_path, chat_model):
+def test_a_server_with_fewer_sessions_than_episodes_is_refused_naming_max_episodes(game, chat_model):
     from producers.hf_engine import HFEngine
 
-    proc, url = start_game(tmp_path / "game.log", "--max-sessions", "2")
     engine = HFEngine(chat_model)
-    workflow = get_workflow("openenv", url=url, max_turns=2)
-    prompt = Prompt(prompt_id="p", source="openenv", task_type="game", text="play", n_samples=3)
+    workflow = get_workflow("openenv", url=game, max_turns=2)
+    prompt = Prompt(prompt_id="p", source="openenv", task_type="game", text="play", n_samples=5)  # the server: 4
 
     async def main():
         batcher = EngineBatcher(engine)
@@ -165,32 +164,35 @@ def test_a_server_with_fewer_sessions_than_episodes_is_refused_naming_max_episod
         finally:
             batcher.close()
             await workflow.close()
-    try:
-        with pytest.raises(OpenEnvError, match=r"2 of 2 sessions in use: the server must allow at least "
-                                               r"raas.max_episodes sessions"):
-            asyncio.run(main())
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with pytest.raises(OpenEnvError, match=r"4 of 4 sessions in use: the server must allow at least "
+                                           r"raas.max_episodes sessions"):
+        asyncio.run(main())
 
 
-@needs_server
-def test_an_action_field_the_server_lacks_is_refused_naming_the_option(game):
-    workflow = get_workflow("openenv", url=game, action_field="move")
-
+def start_env(workflow) -> None:
     async def main():
         try:
             await workflow.env.start()
         finally:
             await workflow.close()
+    asyncio.run(main())
+
+
+@needs_server
+def test_an_action_field_the_server_lacks_is_refused_naming_the_option(game):
     with pytest.raises(ValueError, match=r"options.action_field 'move' is not a string field of the action of "
                                          r".*its string fields: \['message'\]"):
-        asyncio.run(main())
+        start_env(get_workflow("openenv", url=game, action_field="move"))
+
+
+def test_a_worker_given_the_command_and_no_url_refuses_naming_who_sets_it():
+    with pytest.raises(ValueError, match=r"options.url is not set: `astraflow run` sets it for the server it starts "
+                                         r"from options.command; a worker run alone needs options.url"):
+        start_env(get_workflow("openenv", command="srv --port {port}"))
 
 
 @pytest.mark.parametrize("options, message", [
-    ({}, "options.url is required"),
-    ({"command": "srv --port {port}"}, "options.command is started by `astraflow run`"),
+    ({}, r"options.url \(the server's http://host:port\) or options.command .* is required"),
     ({"url": "127.0.0.1:80"}, "is not an http:// or https:// URL"),
     ({"url": "http://x", "max_turns": 0}, "options.max_turns must be >= 1"),
 ])
