@@ -8,7 +8,8 @@ and ``{"type": "close"}``, and the server answers each reset and step with ``{"t
 with aiohttp, so the workers need none of openenv-core's server stack.
 
 Each episode takes a session from :class:`OpenEnvClient`'s pool (a new connection when none is idle: a worker
-holds as many sessions as it runs episodes at once, up to ``raas.max_episodes``), resets it with a seed drawn
+holds as many sessions as it runs episodes at once, up to ``raas.max_episodes + n_samples - 1``: it admits a whole
+prompt while under ``raas.max_episodes``), resets it with a seed drawn
 from the prompt's id (the G samples of a group play the same game), and shows the observation to the policy as a
 user turn rendered with its chat template. Each model turn is the action's text field, stepped; the observation
 is the next user turn (``loss_mask`` 0), and the step's reward adds to the episode's return, which is the
@@ -77,16 +78,20 @@ class OpenEnvSession:
             raise OpenEnvError(f"OpenEnv server {self.url} refused {message['type']!r}: "
                                f"{data.get('message')} (code {data.get('code')}"
                                + (f"; {data['active_sessions']} of {data['max_sessions']} sessions in use: the "
-                                  "server must allow at least raas.max_episodes sessions"
+                                  "server must allow at least raas.max_episodes + n_samples - 1 sessions, the most "
+                                  "episodes a worker runs at once"
                                   if "max_sessions" in data else "") + ")")
         return answer["data"]
 
     async def close(self) -> None:
-        """End the session (a ``close`` message when it is in step, then the connection)."""
+        """End the session: when it is in step, a ``close`` message, then wait (at most 5 s) for the server to
+        close the connection, which it does once it has let go of the session (so a new session finds it freed);
+        then the connection."""
         if not self.broken and not self.ws.closed:
             try:
                 await self.ws.send_str(json.dumps({"type": "close"}))
-            except (aiohttp.ClientError, ConnectionError):
+                await asyncio.wait_for(self.ws.receive(), 5.0)  # its close frame (aiohttp answers it)
+            except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError):
                 pass
         await self.ws.close()
 
@@ -113,7 +118,10 @@ class OpenEnvClient:
         Raises:
             OpenEnvError: the server does not answer, or not with a schema, within ``timeout_s``.
         """
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        # no connection limit (aiohttp's default is 100): each session holds a connection for as long as it is
+        # open, and a worker holds one per episode in flight
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                           connector=aiohttp.TCPConnector(limit=0))
         try:
             async with self._http.get(f"{self.url}/schema") as resp:
                 resp.raise_for_status()
@@ -139,7 +147,7 @@ class OpenEnvClient:
             ws = await self._http.ws_connect(f"{ws_url}/ws", timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
                                              max_msg_size=0)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise OpenEnvError(f"OpenEnv server {self.url}: cannot open a session on /ws: {e}") from None
+            raise OpenEnvError(f"OpenEnv server {self.url}: cannot open a session on /ws: {type(e).__name__}: {e}") from None
         self.sessions += 1
         return OpenEnvSession(ws, self.url, self.timeout_s)
 

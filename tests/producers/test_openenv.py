@@ -165,7 +165,7 @@ def test_a_server_with_fewer_sessions_than_episodes_is_refused_naming_max_episod
             batcher.close()
             await workflow.close()
     with pytest.raises(OpenEnvError, match=r"4 of 4 sessions in use: the server must allow at least "
-                                           r"raas.max_episodes sessions"):
+                                           r"raas.max_episodes \+ n_samples - 1 sessions"):
         asyncio.run(main())
 
 
