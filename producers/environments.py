@@ -10,7 +10,7 @@ ends, and how it is scored (a :class:`Rubric`, a weighted sum of reward function
 It maps onto the frameworks users bring environments from: a verifiers ``ToolEnv``/``MultiTurnEnv`` is tools,
 a parser, ``env_response``/``is_completed`` and a rubric; an OpenEnv environment's ``step(action)`` is an
 ``env_response`` that returns the observation as a message and puts the step's reward and ``done`` in the
-episode's ``state``.
+episode's ``state`` (the ``openenv`` workflow, :mod:`producers.openenv_client`).
 
 The ``environment`` workflow (:class:`EnvironmentWorkflow`) runs one in RaaS episodes. Each sample is a chat:
 the prompt's messages (after the environment's system prompt) are rendered with the policy's chat template and
