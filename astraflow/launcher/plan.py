@@ -3,12 +3,13 @@ lines (each ``python -m astraflow <command> CONFIG [overrides]``; the servers wi
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from astraflow.config import RunConfig
+from astraflow.config import ConfigError, RunConfig
 from astraflow.launched import policy_component
 
 
@@ -97,14 +98,45 @@ def search_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list
     return [Component("search", argv, logs / "search.log", ready_url=url)], ["--search-url", url]
 
 
+def openenv_components(cfg: RunConfig, logs: Path) -> tuple[list[Component], list[str]]:
+    """The OpenEnv environment server, component ``openenv``, when the workflow is ``openenv`` with
+    ``options.command`` (its command line, ``{port}`` replaced by a free port); and the override that gives the RaaS
+    workers its URL (``workflow.options.url=http://127.0.0.1:<port>``).
+
+    Raises:
+        astraflow.config.ConfigError: both ``options.command`` and ``options.url``, or a command that does not
+            split (shlex) or has no ``{port}``.
+    """
+    options = cfg.workflow.options
+    if cfg.workflow.name != "openenv" or options.get("command") is None:
+        return [], []
+    if options.get("url") is not None:
+        raise ConfigError("workflow.options: give the OpenEnv server's url or the command that starts it, not both")
+    command = str(options["command"])
+    if "{port}" not in command:
+        raise ConfigError(f"workflow.options.command {command!r} has no {{port}}: the server must listen where the "
+                          "workers are told it is")
+    from producers.ports import free_port
+
+    port = free_port()
+    try:
+        argv = [a.replace("{port}", str(port)) for a in shlex.split(command)]
+    except ValueError as e:
+        raise ConfigError(f"workflow.options.command {command!r}: {e}") from None
+    url = f"http://127.0.0.1:{port}"
+    return [Component("openenv", argv, logs / "openenv.log", ready_url=url)], [f"workflow.options.url={url}"]
+
+
 def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[Component]:
     """The processes of a run, in start order: the search server when ``tools.search`` is set without a ``url``,
-    vLLM servers, trainers and filters, then RaaS, then acquisition, then
-    the scaling controller when ``controller.enabled``, then the Prometheus exporter when ``exporter.port`` is
-    set, then the TensorBoard/W&B tracker when ``tracking.tensorboard_dir`` or ``tracking.wandb_project`` is
-    set."""
+    the OpenEnv server when the ``openenv`` workflow has a ``command``, vLLM servers, trainers and filters, then
+    RaaS, then acquisition, then the scaling controller when ``controller.enabled``, then the Prometheus exporter
+    when ``exporter.port`` is set, then the TensorBoard/W&B tracker when ``tracking.tensorboard_dir`` or
+    ``tracking.wandb_project`` is set."""
     logs = cfg.run_dir / "logs"
     comps, server_urls = search_components(cfg, logs)
+    openenv, openenv_url = openenv_components(cfg, logs)
+    comps += openenv
     vllm, vllm_urls = vllm_components(cfg, logs)
     comps += vllm
     server_urls += vllm_urls
@@ -116,7 +148,8 @@ def plan_components(cfg: RunConfig, config_path: Path, overrides: list[str]) -> 
             comps.append(Component(name, component_argv("policy", config_path, overrides, "--policy", p,
                                                          "--instance", str(i)), logs / f"{name}.log"))
     for i in range(cfg.raas.workers):
-        comps.append(Component(f"raas-{i}", component_argv("raas", config_path, overrides, "--worker-id", str(i),
+        comps.append(Component(f"raas-{i}", component_argv("raas", config_path, overrides + openenv_url,
+                                                            "--worker-id", str(i),
                                                             *server_urls), logs / f"raas-{i}.log"))
     comps.append(Component("acquire", component_argv("acquire", config_path, overrides), logs / "acquire.log"))
     if cfg.controller.enabled:

@@ -158,10 +158,10 @@ class Supervisor:
         self.console.print(f"{comp.name} answers at {comp.ready_url} (after {waited:.1f} s)")
 
     def stop_all(self, grace_s: float = 60.0) -> None:
-        """SIGTERM every live component, the servers (vLLM, search) last (their clients stop first, so no
+        """SIGTERM every live component, the servers (vLLM, search, OpenEnv) last (their clients stop first, so no
         request in flight loses its server); each tier has ``grace_s`` seconds before it is killed."""
         live = [c for c in self.components if c.proc and c.proc.poll() is None]
-        servers = ("vllm", "search")
+        servers = ("vllm", "search", "openenv")
         for tier in ([c for c in live if c.kind not in servers], [c for c in live if c.kind in servers]):
             for c in tier:
                 c.proc.send_signal(signal.SIGTERM)

@@ -1,0 +1,318 @@
+"""The ``openenv`` workflow: RaaS episodes against an OpenEnv environment server (PyPI ``openenv-core``).
+
+An OpenEnv server gives each WebSocket connection on ``/ws`` an environment instance of its own (a *session*);
+the client sends JSON messages ``{"type": "reset", "data": {seed, ...}}``, ``{"type": "step", "data": action}``
+and ``{"type": "close"}``, and the server answers each reset and step with ``{"type": "observation", "data":
+{"observation": {...}, "reward": r, "done": d}}`` or ``{"type": "error", "data": {"message", "code"}}``;
+``GET /schema`` gives the action's JSON schema and ``GET /health`` its liveness. This module speaks that protocol
+with aiohttp, so the workers need none of openenv-core's server stack.
+
+Each episode takes a session from :class:`OpenEnvClient`'s pool (a new connection when none is idle: a worker
+holds as many sessions as it runs episodes at once, up to ``raas.max_episodes + n_samples - 1``: it admits a whole
+prompt while under ``raas.max_episodes``), resets it with a seed drawn
+from the prompt's id (the G samples of a group play the same game), and shows the observation to the policy as a
+user turn rendered with its chat template. Each model turn is the action's text field, stepped; the observation
+is the next user turn (``loss_mask`` 0), and the step's reward adds to the episode's return, which is the
+reward by default. The episode ends when the server says ``done`` or after ``max_turns`` moves.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from typing import Any, ClassVar, Mapping
+
+import aiohttp
+
+from producers.environments import Environment, EnvironmentWorkflow, ParsedTurn, Rubric
+from producers.workflows import register_workflow
+from topics.schemas import Prompt
+
+
+class OpenEnvError(RuntimeError):
+    """The OpenEnv server refused a request, answered out of protocol, or did not answer in time."""
+
+
+class OpenEnvSession:
+    """One WebSocket session of an OpenEnv server: an environment instance of its own.
+
+    Args:
+        ws: the open connection to ``<url>/ws``.
+        url: the server, for messages.
+        timeout_s: the longest wait for one answer (seconds).
+    """
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str, timeout_s: float) -> None:
+        self.ws, self.url, self.timeout_s = ws, url, timeout_s
+        #: a request went out and its answer did not come back (cancelled, timed out): the session cannot be reused
+        self.broken = False
+
+    async def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Send ``message`` and return the answer's ``data``.
+
+        Raises:
+            OpenEnvError: an ``error`` answer (its message and code), a closed connection, an answer that is not
+                a JSON object, or none within ``timeout_s``.
+        """
+        self.broken = True
+        try:
+            await self.ws.send_str(json.dumps(message))
+            msg = await asyncio.wait_for(self.ws.receive(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise OpenEnvError(f"OpenEnv server {self.url}: no answer to {message['type']!r} in "
+                               f"{self.timeout_s:g} s (options.timeout_s)") from None
+        except (aiohttp.ClientError, ConnectionError) as e:
+            raise OpenEnvError(f"OpenEnv server {self.url}: {message['type']!r} failed: {e}") from None
+        if msg.type != aiohttp.WSMsgType.TEXT:
+            raise OpenEnvError(f"OpenEnv server {self.url}: the session ended ({msg.type.name}) before it answered "
+                               f"{message['type']!r}")
+        try:
+            answer = json.loads(msg.data)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict) or not isinstance(answer.get("data"), dict):
+            raise OpenEnvError(f"OpenEnv server {self.url}: answered {message['type']!r} with {msg.data[:200]!r}")
+        self.broken = False
+        if answer.get("type") == "error":
+            data = answer["data"]
+            raise OpenEnvError(f"OpenEnv server {self.url} refused {message['type']!r}: "
+                               f"{data.get('message')} (code {data.get('code')}"
+                               + (f"; {data['active_sessions']} of {data['max_sessions']} sessions in use: the "
+                                  "server must allow at least raas.max_episodes + n_samples - 1 sessions, the most "
+                                  "episodes a worker runs at once"
+                                  if "max_sessions" in data else "") + ")")
+        return answer["data"]
+
+    async def close(self) -> None:
+        """End the session: when it is in step, a ``close`` message, then wait (at most 5 s) for the server to
+        close the connection, which it does once it has let go of the session (so a new session finds it freed);
+        then the connection."""
+        if not self.broken and not self.ws.closed:
+            try:
+                await self.ws.send_str(json.dumps({"type": "close"}))
+                await asyncio.wait_for(self.ws.receive(), 5.0)  # its close frame (aiohttp answers it)
+            except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError):
+                pass
+        await self.ws.close()
+
+
+class OpenEnvClient:
+    """A pool of :class:`OpenEnvSession` on one OpenEnv server, on the event loop that :meth:`start` ran on.
+
+    Args:
+        url: the server's ``http://host:port``.
+        timeout_s: the longest wait for a connection or one answer (seconds).
+    """
+
+    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self._http: aiohttp.ClientSession | None = None
+        self._idle: list[OpenEnvSession] = []
+        #: the sessions open now (idle or in an episode)
+        self.sessions = 0
+
+    async def start(self) -> dict[str, Any]:
+        """Open the HTTP client and return the server's ``GET /schema`` (``action``, ``observation``, ``state``
+        JSON schemas).
+
+        Raises:
+            OpenEnvError: the server does not answer, or not with a schema, within ``timeout_s``.
+        """
+        # no connection limit (aiohttp's default is 100): each session holds a connection for as long as it is
+        # open, and a worker holds one per episode in flight
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                           connector=aiohttp.TCPConnector(limit=0))
+        try:
+            async with self._http.get(f"{self.url}/schema") as resp:
+                resp.raise_for_status()
+                schema = await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise OpenEnvError(f"OpenEnv server {self.url}: GET /schema failed: {type(e).__name__}: {e}") from None
+        if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
+            raise OpenEnvError(f"OpenEnv server {self.url}: GET /schema gave no action schema")
+        return schema
+
+    async def acquire(self) -> OpenEnvSession:
+        """An idle session, or a new one.
+
+        Raises:
+            OpenEnvError: the WebSocket connection fails.
+        """
+        if self._idle:
+            return self._idle.pop()
+        if self._http is None:
+            raise OpenEnvError("OpenEnvClient.start() was not called")
+        ws_url = "ws" + self.url[len("http"):] if self.url.startswith("http") else self.url
+        try:
+            ws = await self._http.ws_connect(f"{ws_url}/ws", timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
+                                             max_msg_size=0)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise OpenEnvError(f"OpenEnv server {self.url}: cannot open a session on /ws: {type(e).__name__}: {e}") from None
+        self.sessions += 1
+        return OpenEnvSession(ws, self.url, self.timeout_s)
+
+    async def release(self, session: OpenEnvSession) -> None:
+        """Give ``session`` back for another episode, or end it if it is broken."""
+        if session.broken or session.ws.closed or self._http is None:
+            self.sessions -= 1
+            await session.close()
+        else:
+            self._idle.append(session)
+
+    async def close(self) -> None:
+        """End the idle sessions and the HTTP client."""
+        idle, self._idle = self._idle, []
+        for session in idle:
+            self.sessions -= 1
+            await session.close()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+
+def seed_of(prompt: Prompt) -> int:
+    """The reset seed of ``prompt``'s episodes: the first 4 bytes of ``sha256(prompt_id)``, an int in
+    ``[0, 2**32)``."""
+    return int.from_bytes(hashlib.sha256(prompt.prompt_id.encode()).digest()[:4], "big")
+
+
+def episode_return(state: dict[str, Any]) -> float:
+    """The sum of the episode's step rewards (``state["return"]``): the default reward of an OpenEnv episode."""
+    return float(state.get("return", 0.0))
+
+
+class OpenEnvEnvironment(Environment):
+    """An :class:`~producers.environments.Environment` whose answers are an OpenEnv server's steps (module
+    docstring).
+
+    Args:
+        url: the server's ``http://host:port`` (None: refused at :meth:`open`, naming who sets it).
+        action_field: the action's string field the model's text goes in (None: the action schema's only
+            required string field).
+        observation_field: the observation's field shown to the model (None: its only string field, else the
+            whole observation as JSON).
+        max_turns: the most moves per episode (>= 1).
+        system_prompt: a system message before the first observation, if any.
+        timeout_s: the longest wait for the server (seconds).
+
+    Raises:
+        ValueError: ``max_turns`` < 1.
+    """
+
+    answers_every_turn: ClassVar[bool] = True
+
+    def __init__(self, url: str | None, action_field: str | None = None, observation_field: str | None = None,
+                 max_turns: int = 8, system_prompt: str | None = None, timeout_s: float = 60.0) -> None:
+        super().__init__(rubric=Rubric([episode_return]), max_turns=max_turns, system_prompt=system_prompt)
+        self.url = url
+        self.client = OpenEnvClient(url or "", timeout_s)
+        self.action_field, self.observation_field = action_field, observation_field
+
+    async def open(self) -> None:
+        """Connect to the server and settle the action field from its schema (:meth:`start` calls it once per
+        event loop).
+
+        Raises:
+            OpenEnvError: the server does not answer.
+            ValueError: no ``url``; ``action_field`` is not a string field of the action, or None and the action has not
+                exactly one required string field.
+        """
+        if self.url is None:
+            raise ValueError("workflow openenv: options.url is not set: `astraflow run` sets it for the server it "
+                             "starts from options.command; a worker run alone needs options.url")
+        action = (await self.client.start())["action"]
+        strings = [k for k, v in action.get("properties", {}).items() if v.get("type") == "string"]
+        if self.action_field is None:
+            required = [k for k in strings if k in action.get("required", ())]
+            if len(required) != 1:
+                raise ValueError(f"workflow openenv: options.action_field is needed: the action of {self.client.url} "
+                                 f"has the required string fields {required}, not exactly one")
+            self.action_field = required[0]
+        elif self.action_field not in strings:
+            raise ValueError(f"workflow openenv: options.action_field {self.action_field!r} is not a string field of "
+                             f"the action of {self.client.url} (its string fields: {strings})")
+
+    async def close(self) -> None:
+        """End the sessions and the HTTP client."""
+        await self.client.close()
+        await super().close()
+
+    def observation_text(self, result: Mapping[str, Any]) -> str:
+        """What the model is shown of a reset's or step's ``observation``.
+
+        Raises:
+            OpenEnvError: ``observation_field`` is set and the observation lacks it.
+        """
+        obs = result.get("observation") or {}
+        if self.observation_field is not None:
+            if self.observation_field not in obs:
+                raise OpenEnvError(f"OpenEnv server {self.client.url}: the observation has no field "
+                                   f"{self.observation_field!r} (options.observation_field; fields: {sorted(obs)})")
+            value = obs[self.observation_field]
+            return value if isinstance(value, str) else json.dumps(value)
+        strings = [v for v in obs.values() if isinstance(v, str)]
+        return strings[0] if len(strings) == 1 else json.dumps(obs)
+
+    def _record(self, result: Mapping[str, Any], state: dict[str, Any]) -> None:
+        state["return"] = state.get("return", 0.0) + float(result.get("reward") or 0.0)
+        state["done"] = bool(result.get("done"))
+
+    async def begin_episode(self, prompt: Prompt, state: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take a session, reset it with :func:`seed_of` the prompt, and return the chat of the first
+        observation (after the system prompt, if any)."""
+        state["session"] = session = await self.client.acquire()
+        result = await session.request({"type": "reset", "data": {"seed": seed_of(prompt)}})
+        self._record(result, state)
+        messages = [{"role": "user", "content": self.observation_text(result)}]
+        if self.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    async def end_episode(self, state: dict[str, Any]) -> None:
+        """Give the episode's session back to the pool (ended instead when a request of it was cut short)."""
+        session = state.pop("session", None)
+        if session is not None:
+            await self.client.release(session)
+
+    async def env_response(self, messages: list[dict[str, Any]], turn: ParsedTurn,
+                           state: dict[str, Any]) -> list[dict[str, Any]]:
+        """Step the session with the turn's text as the action; the observation as a user message."""
+        result = await state["session"].request({"type": "step", "data": {self.action_field: turn.content}})
+        self._record(result, state)
+        return [{"role": "user", "content": self.observation_text(result)}]
+
+    def is_completed(self, messages: list[dict[str, Any]], turn: ParsedTurn, state: dict[str, Any]) -> bool:
+        """Whether the server said ``done``."""
+        return bool(state.get("done"))
+
+
+@register_workflow("openenv")
+class OpenEnvWorkflow(EnvironmentWorkflow):
+    """Runs an OpenEnv environment server's episodes (:class:`OpenEnvEnvironment`, module docstring).
+
+    Args:
+        policies: role overrides; role ``policy``.
+        url: the server's ``http://host:port``.
+        command: the server's command line, with ``{port}`` where its port goes: ``astraflow run`` starts it and
+            gives the workers its ``url`` (a worker given a command and no url refuses its first episode).
+        action_field, observation_field, max_turns, system_prompt, timeout_s: as :class:`OpenEnvEnvironment`.
+
+    Raises:
+        ValueError: neither ``url`` nor ``command``, a ``url`` that is not http(s), ``max_turns`` < 1 or
+            ``timeout_s`` <= 0.
+    """
+
+    def __init__(self, policies: Mapping[str, str] | None = None, url: str | None = None, command: str | None = None,
+                 action_field: str | None = None, observation_field: str | None = None, max_turns: int = 8,
+                 system_prompt: str | None = None, timeout_s: float = 60.0) -> None:
+        if url is None and command is None:
+            raise ValueError("workflow openenv: options.url (the server's http://host:port) or options.command (the "
+                             "server's command line, which `astraflow run` starts) is required")
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(f"workflow openenv: options.url {url!r} is not an http:// or https:// URL")
+        if max_turns < 1:
+            raise ValueError(f"workflow openenv: options.max_turns must be >= 1, got {max_turns}")
+        if timeout_s <= 0:
+            raise ValueError(f"workflow openenv: options.timeout_s must be > 0, got {timeout_s}")
+        super().__init__(policies, env=OpenEnvEnvironment(url, action_field, observation_field, max_turns,
+                                                          system_prompt, timeout_s))
