@@ -16,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from astraflow.command_setup import bus_admin, load, load_policy, setup_component
+from astraflow.command_setup import bus_admin, check_store, load, load_policy, setup_component
 
 app = typer.Typer(help="AstraFlow: dataflow-oriented RL for agentic LLMs.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
@@ -31,13 +31,14 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     as separate processes, with a live view. Ends with a JSON summary line
     {"run", "complete", "restarts", "steps", "versions", "reward_first", "reward_last", "reward_best",
     "final_over_best", "collapses", "dead_letters", "wall_s"} ("interrupted" too after Ctrl-C or SIGTERM,
-    "stopped_on_collapse" after a trainer's stop_on_collapse), where reward_first and reward_last are the mean
+    "stopped_on_collapse" after a trainer's stop_on_collapse, "failed" with the reason after a component failed or
+    the data ran out), where reward_first and reward_last are the mean
     training reward over the first and the last 20% of trainer steps, reward_best the best such window,
     final_over_best reward_last / reward_best, and collapses each policy's collapse alert; metrics.jsonl and
     reward_curve.png are written to the run directory. Exits 1 when the run did not complete, 2 when its config
-    is refused."""
+    is refused or its bus or weight store does not answer at the start."""
     from astraflow.launcher.preflight import ConfigRefused, check_run_config
-    from astraflow.launcher.run import Launcher
+    from astraflow.launcher.run import Launcher, RunFailed
     from astraflow.launcher.run_dir_lock import hold_run_dir
     from topics.bus import BusError
 
@@ -45,12 +46,17 @@ def run(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES) -> No
     try:
         check_run_config(cfg)
         bus_admin(cfg)  # after the checks above, so a refused config leaves nothing behind (a local bus is a folder)
+        check_store(cfg)
         hold_run_dir(cfg.run_dir)  # one launcher per run_dir: held until this process ends
     except ConfigRefused as e:
         typer.echo(f"invalid run config {config}: {e}", err=True)
         raise typer.Exit(2)
     try:
         summary = Launcher(cfg, config.absolute(), list(overrides or [])).run()
+    except RunFailed as e:
+        print(json.dumps(e.summary), flush=True)
+        typer.echo(f"run failed: {e}", err=True)
+        raise typer.Exit(1)
     except (RuntimeError, BusError) as e:
         typer.echo(f"run failed: {e}", err=True)
         raise typer.Exit(1)
@@ -96,6 +102,7 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
                                                   "has no url (astraflow run gives the one it started)")) -> None:
     """Run one rollout worker: join the `raas.<workflow>` consumer group on `prompts`, roll out,
     write groups to `trajectories.<policy>`. Start more to scale out; SIGTERM stops it cleanly."""
+    from astraflow.launched import EXIT_BAD_INPUT
     from astraflow.worker_commands import WORKER_ID
 
     if not re.fullmatch(WORKER_ID, worker_id):
@@ -110,7 +117,11 @@ def raas(config: Path = CONFIG, overrides: Optional[list[str]] = OVERRIDES,
     stop = setup_component(f"raas-{worker_id}", cfg)
     from producers.raas import RaasWorker  # after the setup: a SIGTERM while torch loads stops it cleanly
 
-    worker = RaasWorker(cfg.raas_section(), worker_id, vllm_urls=vllm_urls, search_url=search_url)
+    try:
+        worker = RaasWorker(cfg.raas_section(), worker_id, vllm_urls=vllm_urls, search_url=search_url)
+    except (KeyError, ValueError) as e:  # the config: a restart would meet it again
+        typer.echo(f"raas-{worker_id}: {e.args[0] if isinstance(e, KeyError) else e}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
     gc.freeze()  # its engines and tokenizers live as long as the process: out of the collector's sight (trainer.main)
     worker.run(stop)
 

@@ -47,6 +47,21 @@ def bus_admin(cfg: RunConfig) -> Admin:
         raise typer.Exit(2)
 
 
+def check_store(cfg: RunConfig) -> None:
+    """Exit with status 2 and one line naming ``store`` and the cause when the config's weight store does not answer
+    a listing of the run's objects (unreachable after obstore's retries, a bucket that does not exist, credentials
+    it refuses): a run whose trainer cannot publish would only wait."""
+    from weights.store import StoreError, WeightStore
+
+    try:
+        store = WeightStore(cfg.store, cfg.run)
+        for policy in cfg.policies:
+            store.objects(policy)
+    except StoreError as e:
+        typer.echo(f"cannot use store {cfg.store}: {e}", err=True)
+        raise typer.Exit(2)
+
+
 def setup_component(name: str, cfg: RunConfig) -> threading.Event:
     """:func:`astraflow.launched.component_setup` of component ``name``, creating the run's topics on the config's
     bus (exit with status 2 when the bus cannot be used)."""

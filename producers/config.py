@@ -51,7 +51,8 @@ class DataConfig(_Strict):
                                          "text (acquisition loads no tokenizer); a longer one is rejected to "
                                          "deadletter. None: no limit. RaaS also rejects, in tokens, a prompt that "
                                          "does not fit its model's context")
-    strict: bool = Field(default=False, description="stop acquisition at the first bad record (exit non-zero) "
+    strict: bool = Field(default=False, description="stop acquisition at the first bad record it reads (in the "
+                                                    "order data.shuffle_seed gives; exit non-zero) "
                                                     "instead of rejecting it to deadletter and going on")
 
     @model_validator(mode="after")

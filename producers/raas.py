@@ -200,7 +200,8 @@ class RaasWorker:
 
     Raises:
         KeyError: the workflow or one of its policies is unknown.
-        ValueError: an engine or tool whose server has no URL.
+        ValueError: an engine or tool whose server has no URL, or ``sampling.max_new_tokens`` that leaves no room
+            for a prompt in a policy's context.
     """
 
     def __init__(self, cfg: RaasSection, worker_id: int | str = 0, bus: Bus | None = None, *,
@@ -220,6 +221,10 @@ class RaasWorker:
                            f"does not define (policies: {sorted(cfg.policies)})")
         self.engines = {p: make_engine(p, cfg.policies[p], (vllm_urls or {}).get(p)) for p in self.policies}
         self.context = {p: context_length(resolve_model(cfg.policies[p].model)) for p in self.policies}
+        for p, positions in self.context.items():
+            if positions is not None and cfg.sampling.max_new_tokens >= positions:
+                raise ValueError(f"sampling.max_new_tokens={cfg.sampling.max_new_tokens}: policy {p}'s model takes "
+                                 f"{positions} positions (prompt plus generated tokens), so no prompt would fit")
         store = WeightStore(cfg.store, cfg.run)
         self.pullers = {p: Puller(store, self.bus, self.names, p) for p in self.policies}
         self.syncs = {p: EngineSync(self.engines[p], self.pullers[p]) for p in self.policies}  # sync_weights uses

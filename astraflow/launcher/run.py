@@ -24,6 +24,16 @@ from topics.layout import ensure_run_topics
 from topics.names import TopicNames
 
 
+class RunFailed(RuntimeError):
+    """A run that ended because a component failed (other than by a collapse) or its data ran out: the message says
+    why, and :attr:`summary` is the run's summary (:func:`~astraflow.launcher.outputs.write_outputs`), whose
+    ``failed`` says the same."""
+
+    def __init__(self, reason: str, summary: dict):
+        super().__init__(reason)
+        self.summary = summary
+
+
 class Launcher:
     """Runs every component of ``cfg`` on this machine and watches them.
 
@@ -51,7 +61,7 @@ class Launcher:
         incomplete).
 
         Raises:
-            RuntimeError: a component failed other than by a collapse (why is printed first), or the data ran out.
+            RunFailed: a component failed other than by a collapse (why is printed first), or the data ran out.
             topics.bus.BusError: the bus does not answer at the start.
         """
         cfg, console, supervisor = self.cfg, self.console, self.supervisor
@@ -121,9 +131,12 @@ class Launcher:
         if collapsed:
             summary["stopped_on_collapse"] = collapsed
         if len(failed) > len(collapsed):
-            raise RuntimeError(f"components failed: {', '.join(c.name for c in failed)} (why above; see their logs)")
-        if self.watchdog.data_exhausted and not interrupted:
-            raise RuntimeError(self.watchdog.data_exhausted)
+            summary["failed"] = (f"components failed: {', '.join(c.name for c in failed)} (why above; see their "
+                                 "logs)")
+        elif self.watchdog.data_exhausted and not interrupted:
+            summary["failed"] = self.watchdog.data_exhausted
+        if "failed" in summary:
+            raise RunFailed(summary["failed"], summary)
         if interrupted:
             summary["interrupted"] = True
         return summary

@@ -97,6 +97,8 @@ def test_a_run_whose_data_runs_out_before_its_steps_says_so_and_exits_non_zero(t
     told = re.search(r"run failed: the data ran out: trainer\.actor has been at version [1-4] of 5 for (\d+) s.* "
                      r"raise data\.epochs or lower policies\.actor\.steps", " ".join(proc.stderr.split()))
     assert told, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])  # a failed run ends with its summary too
+    assert summary["complete"] is False and summary["failed"].startswith("the data ran out"), summary
     # told at the watchdog's first look after the stall, one period after it began
     assert int(told.group(1)) < 2 * STARVED_WATCHDOG_S, told.group(0)
 
