@@ -32,6 +32,7 @@ from aiohttp import web
 from producers.engine_batcher import EngineBatcher, EngineCallFailed
 from producers.engines import GenerationInterrupted, SamplingParams
 from producers.environments import get_tool_parser, load_object, render, render_delta
+from producers.ports import listen
 from producers.workflows import Tool, Trajectory, Workflow, gather_episodes, register_workflow, rewards_of
 from topics.schemas import Prompt, TrajectoryGroup
 
@@ -123,13 +124,7 @@ class ChatServer:
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        try:
-            await web.TCPSite(self._runner, self.host, self.port).start()
-        except OSError:
-            await self._runner.cleanup()
-            raise
-        self.port = self._runner.addresses[0][1]
+        self.port = await listen(self._runner, self.host, self.port)
         self.url = f"http://{self.host}:{self.port}/v1"
         return self.url
 

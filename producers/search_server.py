@@ -37,6 +37,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from producers.ports import listen
+
 log = logging.getLogger(__name__)
 
 #: The built-in corpus (``tools.search.corpus`` unset).
@@ -235,13 +237,7 @@ class SearchServer:
         # handler_cancellation: a client that gives up (its timeout) cancels its request, a hung one included
         self._runner = web.AppRunner(build_app(self.index, self.behaviour), handler_cancellation=True,
                                      shutdown_timeout=SHUTDOWN_S, access_log=None)
-        await self._runner.setup()
-        try:
-            await web.TCPSite(self._runner, self.host, self.port).start()
-        except OSError:
-            await self._runner.cleanup()
-            raise
-        self.port = self._runner.addresses[0][1]
+        self.port = await listen(self._runner, self.host, self.port)
         self.url = f"http://{self.host}:{self.port}"
         return self.url
 

@@ -98,6 +98,8 @@ def test_a_build_lands_in_the_accuracy_band(script):
     """The cached build (as every run resolves ``tiny-search-hermes``: built once per version of its script and
     inputs): SFT until the temperature-1 accuracy of whole chat episodes is in [0.25, 0.5]; the other 256
     questions give about the same accuracy."""
+    pytest.importorskip("trl", reason="tiny-search-hermes serves the TRL arm of scripts/bench_agentic.py, in the "
+                                      "bench install (scripts/install.sh bench), which builds it")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from weights.models import BUILT_MODELS, built_model_dir
