@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -59,6 +57,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.bench_record import git_commit, machine  # noqa: E402
 from scripts.spread import describe, spread  # noqa: E402
 
 #: the CPU examples that learn, examples/<name>.yaml (arith-tiny-vllm is arith-tiny's workload on a vLLM server;
@@ -242,22 +241,6 @@ def result_line(rows: list[dict], command: list[str], commit: str | None, machin
             "final_over_best": [r["final_over_best"] for r in rows], "gain": [r["gain"] for r in rows],
             "best_gain": [r["best_gain"] for r in rows], "examples": per_example(rows), "per_run": rows,
             "command": list(command), "commit": commit, "machine": machine}
-
-
-def git_commit() -> str | None:
-    """``git rev-parse --short HEAD`` of the repository, or None outside a git checkout."""
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return (done.stdout.strip() or None) if done.returncode == 0 else None
-
-
-def machine() -> str:
-    """The platform and the CPUs this process may use (``nproc``)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{platform.platform()}, nproc {cpus}"
 
 
 def main() -> None:

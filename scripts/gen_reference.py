@@ -554,12 +554,53 @@ def agentic_table(data: dict) -> str:
     return "\n".join(lines + ["", _provenance(data), ""])
 
 
-#: each committed benchmark JSON's table (by file name, without ``.json``)
+#: keys of a result that are where it ran, not what it measured (shown under the table)
+_PROVENANCE_KEYS = ("command", "commit", "machine", "conditions", "dirty")
+
+
+def _is_spread(value: object) -> bool:
+    return isinstance(value, dict) and {"median", "min", "max"} <= value.keys()
+
+
+def _figure(value: object) -> str:
+    """One figure of a result as a table cell: a spread as ``median [min, max]`` and its runs, a list joined."""
+    if _is_spread(value):
+        runs = value.get("runs")
+        return _range(value, "{:.4g}") + (f" (runs {', '.join(f'{r:.4g}' for r in runs)})" if runs else "")
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_figure(v) for v in value) or "none"
+    return _cell(json.dumps(value) if isinstance(value, dict) else str(value))
+
+
+def _flat(data: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """``(dotted key, figure)`` of every figure of a result, mappings other than spreads opened key by key."""
+    rows: list[tuple[str, object]] = []
+    for key, value in data.items():
+        if not prefix and key in _PROVENANCE_KEYS:
+            continue
+        if isinstance(value, dict) and value and not _is_spread(value):
+            rows += _flat(value, f"{prefix}{key}.")
+        else:
+            rows.append((f"{prefix}{key}", value))
+    return rows
+
+
+def result_table(data: dict) -> str:
+    """A bench's whole last line, one figure per row (the benches without a table of their own): the keys are the
+    bench's (its module docstring says what each is)."""
+    lines = ["| figure | value |", "|---|---|"]
+    lines += [f"| `{key}` | {_figure(value)} |" for key, value in _flat(data)]
+    return "\n".join(lines + ["", _provenance(data), ""])
+
+
+#: each committed benchmark JSON's table (by file name, without ``.json``); any other is rendered by result_table
 BENCH_TABLES = {"stability": stability_table, "weights": weights_table, "bus": bus_table, "agentic": agentic_table}
 
 
 def bench_problems() -> list[str]:
-    """Benchmark JSON files without command, machine or commit, or without a table (renderer or block)."""
+    """Benchmark JSON files without command, machine or commit, or without a generated block on the page."""
     problems = []
     page = BENCH_PAGE.read_text() if BENCH_PAGE.exists() else ""
     blocks = {m.group("name") for m in _BLOCK.finditer(page)}
@@ -568,9 +609,7 @@ def bench_problems() -> list[str]:
         missing = [k for k in ("command", "machine", "commit") if not data.get(k)]
         if missing:
             problems.append(f"{shown} lacks {', '.join(missing)}")
-        if path.stem not in BENCH_TABLES:
-            problems.append(f"{shown} has no table renderer in scripts/gen_reference.py")
-        elif path.stem not in blocks:
+        if path.stem not in blocks:
             problems.append(f"{shown} has no generated block in {BENCH_PAGE.name}")
     problems += [f"{BENCH_PAGE.name}: a block names data/{name}.json, which does not exist"
                  for name in sorted(blocks) if not (BENCH_DATA / f"{name}.json").exists()]
@@ -581,9 +620,10 @@ def bench_page() -> str:
     """``docs/benchmarks/index.md`` with every generated block rendered from its JSON."""
     def render(m: re.Match) -> str:
         path = BENCH_DATA / f"{m.group('name')}.json"
-        if not path.exists() or m.group("name") not in BENCH_TABLES:
+        if not path.exists():
             return m.group(0)
-        return m.group(1) + "\n" + BENCH_TABLES[m.group("name")](json.loads(path.read_text())) + "\n" + m.group(4)
+        render_table = BENCH_TABLES.get(m.group("name"), result_table)
+        return m.group(1) + "\n" + render_table(json.loads(path.read_text())) + "\n" + m.group(4)
     return _BLOCK.sub(render, BENCH_PAGE.read_text())
 
 _FIRST_RUN = re.compile(r"(<!-- generated first run from docs/benchmarks/data/stability\.json by scripts/gen_reference\.py: "

@@ -72,5 +72,16 @@ def test_a_benchmark_table_that_disagrees_with_its_json_is_noticed(tmp_path, mon
     del stability["commit"]
     (data / "stability.json").write_text(json.dumps(stability))
     (data / "new.json").write_text(json.dumps({"command": ["x"], "machine": "m", "commit": "c"}))
-    assert gen.bench_problems() == ["data/new.json has no table renderer in scripts/gen_reference.py",
+    assert gen.bench_problems() == ["data/new.json has no generated block in index.md",
                                     "data/stability.json lacks commit"]
+
+
+def test_a_bench_without_a_table_of_its_own_shows_every_figure_of_its_line():
+    line = {"metric": "async_speedup", "value": 12.5, "ratio_spread": {"runs": [1.5, 2.25], "n": 2, "median": 1.875,
+            "min": 1.5, "max": 2.25}, "sync_s_by_threads": {"1": [20.0, 21.0]}, "placement": [],
+            "command": ["scripts/bench_async.py", "--quick"], "commit": "abc1234", "machine": "Linux, nproc 2"}
+    assert gen.result_table(line).splitlines() == [
+        "| figure | value |", "|---|---|", "| `metric` | async_speedup |", "| `value` | 12.5 |",
+        "| `ratio_spread` | 1.875 [1.5, 2.25] (runs 1.5, 2.25) |", "| `sync_s_by_threads.1` | 20, 21 |",
+        "| `placement` | none |", "",
+        "`scripts/bench_async.py --quick`, commit `abc1234`, on Linux, nproc 2."]
