@@ -49,12 +49,13 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 usage="%(prog)s NAME [--conditions TEXT] -- scripts/bench_X.py [ARGS...]")
     ap.add_argument("name", help="the result's file name under docs/benchmarks/data, without .json")
     ap.add_argument("--conditions", default=None, help="what a reader needs to weigh the figures (load, broker...)")
-    ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- scripts/bench_X.py [ARGS...]")
-    args = ap.parse_args(argv)
-    bench = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, bench = ap.parse_args(argv[:split]), argv[split + 1:]
     if not bench or not bench[0].startswith("scripts/bench_"):
         ap.error("give the bench after --, e.g. -- scripts/bench_async.py --quick")
     commit, dirty = git_commit(), tree_is_dirty()
