@@ -11,11 +11,13 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
 
 from producers.environments import render, render_delta
+from topics.schemas import TrajectoryGroup
 
 HERMES_TEMPLATE = (  # every newline is an expression's: HF renders with trim_blocks, which drops one after a tag
     "{% if tools or messages[0].role == 'system' %}<|im_start|>system"
@@ -124,3 +126,35 @@ def cached_hermes_policy(episodes: list[tuple[str, str, str, str]]) -> Path:
         hermes_policy(base, tmp, episodes)
         os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
     return target
+
+
+def roll_out_one_group(config: Path, server) -> tuple[TrajectoryGroup, int, object]:
+    """Acquire the run's prompts (``config`` holds one), roll them out with one RaaS worker until a group is on
+    the trajectories topic (180 s at most), then stop the worker and kill ``server`` (a ``subprocess.Popen``).
+    Returns the group, the calls made to the ``search`` tool and the policy's tokenizer."""
+    from astraflow.config import load_config
+    from producers.acquisition import acquire_run
+    from producers.raas import RaasWorker
+    from topics.bus import connect, read_topic
+    from topics.codec import decode
+    from topics.layout import ensure_run_topics
+    from topics.names import TopicNames
+
+    cfg = load_config(config)
+    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=1)
+    assert acquire_run(cfg.acquisition_section()) == 1
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
+    topic = names.trajectories("actor")
+    try:
+        deadline = time.monotonic() + 180
+        while sum(bus.admin().end_offsets(topic).values()) < 1:
+            assert time.monotonic() < deadline, "the prompt was not rolled out"
+            worker.step()
+        calls = worker.tools["search"].calls
+    finally:
+        worker.close()
+        server.kill()
+        server.wait()
+    [group] = [decode(r.value, TrajectoryGroup) for r in read_topic(bus, topic)]
+    return group, calls, worker.engines["actor"].tokenizer

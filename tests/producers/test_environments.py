@@ -3,7 +3,6 @@ JSON schemas, the hermes parser, rubrics, stop strings, MCP tools over a real st
 a tiny hermes-speaking policy against the real search server, token for token."""
 import asyncio
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Literal
@@ -12,7 +11,6 @@ import numpy as np
 import pytest
 
 from astraflow.config import load_config
-from producers.acquisition import acquire_run
 from producers.engine_batcher import EngineBatcher
 from producers.engines import SamplingParams
 from producers.environments import (Environment, EnvironmentWorkflow, HermesParser, ParsedTurn, Rubric, ToolCall,
@@ -22,14 +20,11 @@ from producers.search_server import SearchServer
 from producers.search_tool import SearchTool
 from producers.workflows import get_workflow
 from tests.producers.test_agentic import start_search_server
-from topics.bus import connect, read_topic
-from topics.codec import decode
-from topics.layout import ensure_run_topics
-from topics.names import TopicNames
-from topics.schemas import Prompt, TrajectoryGroup
+from topics.bus import connect
+from topics.schemas import Prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
-from env_rig import HERMES_TEMPLATE, call_text, cached_hermes_policy, episode_ids  # noqa: E402
+from env_rig import HERMES_TEMPLATE, call_text, cached_hermes_policy, episode_ids, roll_out_one_group  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EPISODE = ("code of zovob?\n", "zovob", "the code of zovob is 846", "846")
@@ -261,24 +256,8 @@ def test_a_raas_worker_rolls_the_environment_out_with_its_episode_scheduler(tmp_
     ``astraflow run`` starts it: each prompt's group holds the episodes' token sequences, rewards and versions."""
     server, url = start_search_server(tmp_path / "search.log")
     path = env_run_config(tmp_path, hermes_dir, f'{{search: {{url: "{url}"}}}}')
-    cfg = load_config(path)
-    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    ensure_run_topics(bus.admin(), names, ["actor"], partitions=1)
-    assert acquire_run(cfg.acquisition_section()) == 1
-    worker = RaasWorker(cfg.raas_section(), 0, bus)
-    topic = names.trajectories("actor")
-    try:
-        deadline = time.monotonic() + 180
-        while sum(bus.admin().end_offsets(topic).values()) < 1:
-            assert time.monotonic() < deadline, "the prompt was not rolled out"
-            worker.step()
-        calls = worker.tools["search"].calls
-    finally:
-        worker.close()
-        server.kill()
-        server.wait()
-    [group] = [decode(r.value, TrajectoryGroup) for r in read_topic(bus, topic)]
-    ids, mask = episode_ids(worker.engines["actor"].tokenizer, *EPISODE)
+    group, calls, tokenizer = roll_out_one_group(path, server)
+    ids, mask = episode_ids(tokenizer, *EPISODE)
     assert (group.workflow, calls, len(group.samples)) == ("environment", 3, 3)
     assert all(s.input_ids.tolist() == ids and s.loss_mask.tolist() == mask and s.reward == 1.5
                for s in group.samples)

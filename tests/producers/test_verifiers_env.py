@@ -3,7 +3,6 @@ run by a RaaS worker from a run config, its agent talking to the worker's endpoi
 interception server, against the real search server, with no network and no container; and its options refused
 by name."""
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -11,19 +10,12 @@ import pytest
 
 pytest.importorskip("verifiers.v1")
 
-from astraflow.config import load_config  # noqa: E402
-from producers.acquisition import acquire_run  # noqa: E402
-from producers.raas import RaasWorker  # noqa: E402
 from producers.workflows import get_workflow  # noqa: E402
 from tests.producers.test_agentic import start_search_server  # noqa: E402
-from topics.bus import connect, read_topic  # noqa: E402
-from topics.codec import decode  # noqa: E402
-from topics.layout import ensure_run_topics  # noqa: E402
-from topics.names import TopicNames  # noqa: E402
-from topics.schemas import Prompt, TrajectoryGroup  # noqa: E402
+from topics.schemas import Prompt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from env_rig import cached_hermes_policy, episode_ids  # noqa: E402
+from env_rig import cached_hermes_policy, episode_ids, roll_out_one_group  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EPISODE = ("code of zovob?\n", "zovob", "the code of zovob is 846", "846")
@@ -53,24 +45,8 @@ data: {{sources: [{{name: search, limit: 1}}], n_samples: 3}}
 sampling: {{max_new_tokens: 80, temperature: 0.05}}  # the replayed episode: near greedy
 raas: {{batch_prompts: 1, max_inflight_groups: 1000, max_episodes: 3}}
 """)
-    cfg = load_config(path)
-    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
-    ensure_run_topics(bus.admin(), names, ["actor"], partitions=1)
-    assert acquire_run(cfg.acquisition_section()) == 1
-    worker = RaasWorker(cfg.raas_section(), 0, bus)
-    topic = names.trajectories("actor")
-    try:
-        deadline = time.monotonic() + 180
-        while sum(bus.admin().end_offsets(topic).values()) < 1:
-            assert time.monotonic() < deadline, "the prompt was not rolled out"
-            worker.step()
-        calls = worker.tools["search"].calls
-    finally:
-        worker.close()
-        server.kill()
-        server.wait()
-    [group] = [decode(r.value, TrajectoryGroup) for r in read_topic(bus, topic)]
-    ids, mask = episode_ids(worker.engines["actor"].tokenizer, *EPISODE)
+    group, calls, tokenizer = roll_out_one_group(path, server)
+    ids, mask = episode_ids(tokenizer, *EPISODE)
     assert (group.workflow, calls, len(group.samples)) == ("verifiers", 3, 3)
     for s in group.samples:
         assert (s.input_ids.tolist(), s.loss_mask.tolist(), s.reward, s.turns) == (ids, mask, 1.0, 2)
