@@ -273,6 +273,15 @@ def start_search_server(median_s: float, seed: int, corpus: Path | None) -> tupl
     return proc, url
 
 
+def stop_search_server(server: subprocess.Popen) -> None:
+    """SIGTERM the search server, SIGKILL it when it has not exited 10 s later."""
+    server.terminate()
+    try:
+        server.wait(10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
 def own_cpu_s() -> float:
     """User + system CPU seconds of this process and its descendants so far (those alive now)."""
     import psutil
@@ -352,11 +361,7 @@ def sync_child(args: argparse.Namespace) -> None:
         loop.run_until_complete(tool.close())
         batcher.close()
     finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_search_server(server)
     print(json.dumps(out))
 
 
@@ -535,11 +540,7 @@ def trl_child(args: argparse.Namespace) -> None:
                "capped": done < args.steps, "tool_p50_s": tool.percentiles().get("p50"),
                "tool_errors": sum(tool.errors.values()), "tool_calls": tool.calls, "engine_batch": None}
     finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_search_server(server)
     print(json.dumps(out))
 
 
