@@ -652,10 +652,39 @@ def first_run(data: dict) -> str:
         ""])
 
 
+_RESULTS = re.compile(r"(<!-- generated results from docs/benchmarks/data by scripts/gen_reference\.py: do not edit -->\n)"
+                      r"(?P<body>.*?)(<!-- end of generated results -->)", re.S)
+
+
+def headline_results(stability: dict, agentic: dict, weights: dict) -> str:
+    """The README's three results, each a sentence from its committed JSON and a link to its benchmark page."""
+    page = "docs/benchmarks/index.md"
+    seeds = len({r["seed"] for r in stability["per_run"]})
+    worst = min(x for r in stability["examples"].values() for x in r["final_over_best"]["runs"])
+    lrs = list(weights["by_lr"].items())
+    per_change = [row["bytes_per_change"]["median"] for _, row in lrs]
+    of_full = [row["delta_over_full"]["median"] for _, row in lrs]
+    trl = f" and {agentic['vs_trl']:.0f}x TRL's `GRPOTrainer`" if agentic.get("vs_trl") is not None else ""
+    return "\n".join([
+        f"- **Runs stay learned.** {stability['collapsed']} of {stability['runs']} runs of the CPU learning examples "
+        f"({', '.join(stability['examples'])}; {seeds} seeds) collapsed; the worst ended at {worst:.3f} of its best "
+        f"window's reward ([Learning that holds]({page}#learning-that-holds)).",
+        f"- **Tool latency is hidden.** With a search tool of {agentic['ref_latency_s']} s median latency, the "
+        f"pipeline trains {agentic['vs_sync']:.1f}x the steps per second of a synchronous loop{trl}, at "
+        f"{agentic['latency_hidden']:.2f} of its own rate with an instant tool ([Agentic episodes with a slow "
+        f"tool]({page}#agentic-episodes-with-a-slow-tool): {agentic['rounds']} round(s), with its conditions).",
+        f"- **Small weight updates travel small.** A version's sparse bf16 delta costs {per_change[0]:.2f} to "
+        f"{per_change[-1]:.2f} bytes per changed weight at learning rates {lrs[0][0]} to {lrs[-1][0]}, "
+        f"{of_full[0]:.1%} to {of_full[-1]:.1%} of a full bf16 snapshot ([Weight deltas by learning "
+        f"rate]({page}#weight-deltas-by-learning-rate)).",
+        ""])
+
+
 def readme() -> str:
-    """``README.md`` with its first run rendered from ``docs/benchmarks/data/stability.json``."""
-    data = json.loads((BENCH_DATA / "stability.json").read_text())
-    return _FIRST_RUN.sub(lambda m: m.group(1) + first_run(data) + m.group(3), README.read_text())
+    """``README.md`` with its first run and its results rendered from ``docs/benchmarks/data``."""
+    data = {name: json.loads((BENCH_DATA / f"{name}.json").read_text()) for name in ("stability", "agentic", "weights")}
+    text = _FIRST_RUN.sub(lambda m: m.group(1) + first_run(data["stability"]) + m.group(3), README.read_text())
+    return _RESULTS.sub(lambda m: m.group(1) + headline_results(**data) + m.group(3), text)
 
 
 def main(argv: list[str] | None = None) -> int:
