@@ -827,13 +827,18 @@ def bench(args: argparse.Namespace, source: Path) -> None:
     trl_note = None
     if "trl" in arms:
         tokens = {pc.model: episode_tokens(pc.model), args.trl_model: episode_tokens(args.trl_model)}
-        trl_note = (f"the pipeline arms run {pc.model} (tool call <search>name</search>, {tokens[pc.model]} tokens "
-                    f"per episode); the trl arm runs {args.trl_model} (hermes <tool_call> JSON in a chat template, "
-                    f"{tokens[args.trl_model]} tokens per episode, {tokens[args.trl_model] / tokens[pc.model]:.2f}x): "
-                    "the pipeline cannot run the hermes model yet. Same questions, G, batch, steps, lr, KL "
-                    "coefficient, temperature, search server and latency; TRL's GRPOTrainer calls the tools of one "
-                    "completion after another (trl/trainer/grpo_trainer.py, _tool_call_loop), so at latency m a "
-                    "step waits ~batch x mean latency on the tool")
+        if pc.model == args.trl_model:
+            models = (f"every arm runs {pc.model} ({tokens[pc.model]} tokens per episode; the pipeline through "
+                      f"the workflow {cfg.workflow.name})")
+        else:
+            models = (f"the pipeline arms run {pc.model} ({tokens[pc.model]} tokens per episode); the trl arm runs "
+                      f"{args.trl_model} (hermes <tool_call> JSON in a chat template, {tokens[args.trl_model]} tokens "
+                      f"per episode, {tokens[args.trl_model] / tokens[pc.model]:.2f}x); for equal work run the "
+                      f"pipeline on it: --set policies.{policy}.model={args.trl_model} and the environment workflow")
+        trl_note = (models + ". Same questions, G, batch, steps, lr, KL coefficient, temperature, search server and "
+                    "latency; TRL's GRPOTrainer calls the tools of one completion after another "
+                    "(trl/trainer/grpo_trainer.py, _tool_call_loop), so at latency m a step waits ~batch x mean "
+                    "latency on the tool")
     print(f"latency_hidden (pipeline at {ref} s / at 0 s): {latency_hidden}; vs_sync at {ref} s: {vs_sync}; "
           f"vs pipeline-1 at {ref} s: {vs_lockstep}; vs_trl at {ref} s: {vs_trl}"
           + (f" ({trl_note})" if trl_note else "") + (f"\ntrl: {trl_why}" if trl_why else ""), flush=True)
