@@ -833,8 +833,7 @@ def bench(args: argparse.Namespace, source: Path) -> None:
         else:
             models = (f"the pipeline arms run {pc.model} ({tokens[pc.model]} tokens per episode); the trl arm runs "
                       f"{args.trl_model} (hermes <tool_call> JSON in a chat template, {tokens[args.trl_model]} tokens "
-                      f"per episode, {tokens[args.trl_model] / tokens[pc.model]:.2f}x); for equal work run the "
-                      f"pipeline on it: --set policies.{policy}.model={args.trl_model} and the environment workflow")
+                      f"per episode, {tokens[args.trl_model] / tokens[pc.model]:.2f}x)")
         trl_note = (models + ". Same questions, G, batch, steps, lr, KL coefficient, temperature, search server and "
                     "latency; TRL's GRPOTrainer calls the tools of one completion after another "
                     "(trl/trainer/grpo_trainer.py, _tool_call_loop), so at latency m a step waits ~batch x mean "
