@@ -8,7 +8,9 @@ same trainer config (``examples/arith-tiny.yaml``), on the same batch
 of trainer steps:
 
 * **sync**: one process, ``torch.set_num_threads(cores)``. Per step it rolls
-  out a batch with an :class:`~producers.hf_engine.HFEngine`, trains on it with a
+  out a batch with an :class:`~producers.hf_engine.HFEngine` (every prompt's
+  episodes concurrent, their engine calls batched by an
+  :class:`~producers.engine_batcher.EngineBatcher`, as RaaS does), trains on it with a
   :class:`~trainer.loop.Trainer`, then loads the new weights into the engine
   (in memory: the most generous weight sync there is). The step after a sync
   samples from the newest weights, so staleness is 0.
@@ -56,6 +58,7 @@ Usage: ``scripts/bench_async.py [--quick] [--rounds N] [--steps N] [--warmup K]
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -118,6 +121,7 @@ def sync_child(args: argparse.Namespace, threads: int) -> None:
 
     torch.set_num_threads(threads)
     from astraflow.config import load_config
+    from producers.engine_batcher import EngineBatcher
     from producers.engines import SamplingParams
     from producers.hf_engine import HFEngine
     from producers.sources import load_source
@@ -134,14 +138,19 @@ def sync_child(args: argparse.Namespace, threads: int) -> None:
     source = load_source("arith", seed=cfg.seed)
     sampling = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
                               top_p=cfg.sampling.top_p)
+    batcher = EngineBatcher(engine, name="actor")
+    loop = asyncio.new_event_loop()
+
+    async def rollout(prompts: list) -> list:  # every episode of the batch concurrent, engine calls batched
+        return await asyncio.gather(*(workflow.rollout(p, {"actor": batcher}, sampling, {}) for p in prompts))
+
     index, start, rollout_s, train_s = 0, None, 0.0, 0.0
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        groups = []
-        for _ in range(args.prompts):
-            prompt = source[index % len(source)].model_copy(update={"n_samples": args.group})
-            index += 1
-            groups.extend(workflow.run(prompt, {"actor": engine}, sampling))
+        prompts = [source[(index + i) % len(source)].model_copy(update={"n_samples": args.group})
+                   for i in range(args.prompts)]
+        index += args.prompts
+        groups = [g for per_prompt in loop.run_until_complete(rollout(prompts)) for g in per_prompt]
         t1 = time.perf_counter()
         trainer.train_step(groups)
         engine.load_weights(trainer.publish_state(), trainer.version)
@@ -149,7 +158,10 @@ def sync_child(args: argparse.Namespace, threads: int) -> None:
             rollout_s, train_s = rollout_s + t1 - t0, train_s + time.perf_counter() - t1
         if step == args.warmup:
             start = time.perf_counter()
-    print(json.dumps({"timed_s": time.perf_counter() - start, "rollout_s": rollout_s, "train_s": train_s}))
+    timed_s = time.perf_counter() - start
+    batcher.close()
+    loop.close()
+    print(json.dumps({"timed_s": timed_s, "rollout_s": rollout_s, "train_s": train_s}))
 
 
 def run_pipeline(args: argparse.Namespace) -> dict:
