@@ -562,13 +562,19 @@ def _is_spread(value: object) -> bool:
     return isinstance(value, dict) and {"median", "min", "max"} <= value.keys()
 
 
+def _number(value: float) -> str:
+    """A measured number: 4 significant digits, or whole units from 1,000 on (no exponent)."""
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
 def _figure(value: object) -> str:
     """One figure of a result as a table cell: a spread as ``median [min, max]`` and its runs, a list joined."""
     if _is_spread(value):
         runs = value.get("runs")
-        return _range(value, "{:.4g}") + (f" (runs {', '.join(f'{r:.4g}' for r in runs)})" if runs else "")
+        spread = f"{_number(value['median'])} [{_number(value['min'])}, {_number(value['max'])}]"
+        return spread + (f" (runs {', '.join(_number(r) for r in runs if r is not None)})" if runs else "")
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return _number(value)
     if isinstance(value, list):
         return ", ".join(_figure(v) for v in value) or "none"
     return _cell(json.dumps(value) if isinstance(value, dict) else str(value))
@@ -595,8 +601,23 @@ def result_table(data: dict) -> str:
     return "\n".join(lines + ["", _provenance(data), ""])
 
 
+def staleness_table(data: dict) -> str:
+    """``data/staleness.json`` (``scripts/bench_staleness.py``): one row per staleness and correction."""
+    lines = ["| staleness / correction | gain, runs | clipped or masked | importance ratio [min, max] | behaviour KL | "
+             "entropy | staleness, mean |", "|---|---|---|---|---|---|---|"]
+    for cell, c in data["cells"].items():
+        lines.append(f"| `{cell}` | {', '.join(f'{g:+.3f}' for g in c['gains'])} | {c['clipfrac']:.3f} | "
+                     f"[{c['is_ratio_min']:.3f}, {c['is_ratio_max']:.2f}] | {c['behaviour_kl']:.4f} | "
+                     f"{c['entropy']:.3f} | {c['staleness_mean']:.2f} |")
+    lines += ["", f"Gain of `{data['default_correction']}` at staleness {data['staleness']} over its gain at 0: "
+              f"{_figure(data['ratio_spread'])}; `none` at {data['staleness']}: {data['none_at_max']:+.3f}; "
+              f"{data['repeats']} repetition(s) of {data['steps']} steps."]
+    return "\n".join(lines + ["", _provenance(data), ""])
+
+
 #: each committed benchmark JSON's table (by file name, without ``.json``); any other is rendered by result_table
-BENCH_TABLES = {"stability": stability_table, "weights": weights_table, "bus": bus_table, "agentic": agentic_table}
+BENCH_TABLES = {"stability": stability_table, "weights": weights_table, "bus": bus_table, "agentic": agentic_table,
+                "staleness": staleness_table}
 
 
 def bench_problems() -> list[str]:
