@@ -617,7 +617,7 @@ def staleness_table(data: dict) -> str:
 
 #: each committed benchmark JSON's table (by file name, without ``.json``); any other is rendered by result_table
 BENCH_TABLES = {"stability": stability_table, "weights": weights_table, "bus": bus_table, "agentic": agentic_table,
-                "staleness": staleness_table}
+                "agentic-hermes": agentic_table, "staleness": staleness_table}
 
 
 def bench_problems() -> list[str]:
