@@ -25,6 +25,7 @@ import enum
 import inspect
 import json
 import re
+import shlex
 import sys
 import types
 import typing
@@ -491,7 +492,8 @@ def _range(spread: dict, fmt: str = "{:.3f}") -> str:
 def _provenance(data: dict) -> str:
     """The line under a table: the command, the commit and the machine it ran on."""
     note = f" {data['conditions']}." if data.get("conditions") else ""
-    return (f"`{' '.join(data['command'])}`, commit `{data['commit']}`, on {data['machine']}.{note}")
+    dirty = " (with uncommitted changes)" if data.get("dirty") else ""
+    return f"`{shlex.join(data['command'])}`, commit `{data['commit']}`{dirty}, on {data['machine']}.{note}"
 
 
 def stability_table(data: dict) -> str:
