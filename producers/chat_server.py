@@ -3,8 +3,9 @@ that drive the model through an OpenAI client themselves (a verifiers environmen
 
 :class:`ChatServer` serves one policy's :class:`~producers.engine_batcher.EngineBatcher` from the event loop the
 episodes run in. A request's ``messages`` (and ``tools``) go through the policy's chat template; with tools, the
-turn is sampled with the tool parser's stop strings and the reply's ``tool_calls`` are parsed from it (the
-``hermes`` parser by default, :data:`producers.environments.TOOL_PARSERS`). The answer is OpenAI's shape, plus what
+turn is sampled with the tool parser's stop strings (none when the request sets ``parallel_tool_calls``) and the
+reply's ``tool_calls`` are parsed from it (the ``hermes`` parser by default,
+:data:`producers.environments.TOOL_PARSERS`). The answer is OpenAI's shape, plus what
 training needs: ``prompt_token_ids`` and each choice's ``token_ids`` (vLLM's names), per-token ``logprobs`` when
 asked (``logprobs: true``) and the weight ``version`` that sampled it.
 
@@ -157,7 +158,9 @@ class ChatServer:
 
     def _sampling(self, body: dict[str, Any], tools: bool) -> SamplingParams:
         """The request's sampling (``max_completion_tokens``/``max_tokens``, ``temperature``, ``top_p``, ``stop``,
-        ``seed``), with the parser's stop strings when it offers tools.
+        ``seed``), with the parser's stop strings when it offers tools, unless it sets ``parallel_tool_calls``:
+        then the turn ends where the model ends it and may make several calls (OpenAI's default is true; ours is
+        false, so that no token is sampled past a call).
 
         Raises:
             BadRequest: ``n`` other than 1, or a bad value (the message names the field).
@@ -166,7 +169,10 @@ class ChatServer:
             raise BadRequest(f"n={body['n']}: one choice per request (send G requests for G samples)")
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        if tools:
+        parallel = body.get("parallel_tool_calls", False)
+        if not isinstance(parallel, bool):
+            raise BadRequest(f"parallel_tool_calls={parallel!r}: must be true or false")
+        if tools and not parallel:
             stop = tuple(dict.fromkeys(stop + self.parser.stop))
         try:
             budget = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.max_new_tokens)

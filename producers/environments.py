@@ -15,7 +15,8 @@ episode's ``state`` (the ``openenv`` workflow, :mod:`producers.openenv_client`).
 The ``environment`` workflow (:class:`EnvironmentWorkflow`) runs one in RaaS episodes. Each sample is a chat:
 the prompt's messages (after the environment's system prompt) are rendered with the policy's chat template and
 the tool schemas (``tokenizer.apply_chat_template(messages, tools=...)``); each model turn is sampled with the
-parser's stop strings (``</tool_call>``), so a turn ends at its call; the environment's answer is appended as
+parser's stop strings (``</tool_call>``), so a turn ends at its call (an environment with ``parallel_tool_calls``
+samples its turns without them and runs every call of a turn concurrently); the environment's answer is appended as
 the chat template renders it after an assistant turn (the *rendered delta*: only the new turns are tokenized,
 so the tokens of earlier turns are never re-tokenized and every generated token keeps its behaviour logprob and
 version); tool turns have ``loss_mask`` 0. An episode is a coroutine of the workflow like any other, so it is
@@ -323,6 +324,9 @@ class Environment:
         max_turns: the most model turns per episode (>= 1).
         system_prompt: a system message put before the prompt's messages, if any.
         mcp_servers: MCP servers (:class:`producers.mcp_tools.MCPServer`) whose tools are added at :meth:`start`.
+        parallel_tool_calls: let a turn make several calls (OpenAI's ``parallel_tool_calls``): the turn is sampled
+            without the parser's stop strings, so it ends where the model ends it, and its calls run concurrently.
+            By default a turn ends as its first call closes, and no token is sampled past it.
 
     Raises:
         ValueError: ``max_turns`` < 1, or two tools share a name.
@@ -331,7 +335,7 @@ class Environment:
 
     def __init__(self, tools: Sequence[FunctionTool | Callable[..., Any]] = (), rubric: Rubric | None = None,
                  parser: str = "hermes", max_turns: int = 4, system_prompt: str | None = None,
-                 mcp_servers: Sequence[Any] = ()) -> None:
+                 mcp_servers: Sequence[Any] = (), parallel_tool_calls: bool = False) -> None:
         if max_turns < 1:
             raise ValueError(f"Environment max_turns must be >= 1, got {max_turns}")
         self.tools: dict[str, FunctionTool] = {}
@@ -341,6 +345,7 @@ class Environment:
         self.max_turns = max_turns
         self.system_prompt = system_prompt
         self.mcp_servers = list(mcp_servers)
+        self.parallel_tool_calls = parallel_tool_calls
         self._mcp_tools: set[str] = set()
         self._started: asyncio.AbstractEventLoop | None = None
         self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
@@ -389,6 +394,10 @@ class Environment:
             self.tools.pop(name, None)
         self._mcp_tools.clear()
         self._started = None
+
+    def turn_stop(self) -> tuple[str, ...]:
+        """The stop strings of a model turn: the parser's, or none when ``parallel_tool_calls`` is set."""
+        return () if self.parallel_tool_calls else self.parser.stop
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         """The tools' OpenAI function-call schemas, in declaration order."""
@@ -509,16 +518,18 @@ class EnvironmentWorkflow(Workflow):
             (called with ``env_args``).
         env_args: keyword arguments of that function.
         max_turns: overrides the environment's ``max_turns``.
+        parallel_tool_calls: overrides the environment's ``parallel_tool_calls``.
 
     Raises:
         ValueError: ``env`` cannot be loaded, or is neither an Environment nor a function returning one;
-            ``env_args`` for an Environment object.
+            ``env_args`` for an Environment object; ``max_turns`` < 1; ``parallel_tool_calls`` not a bool.
     """
 
     roles: ClassVar[dict[str, str]] = {"policy": "actor"}
 
     def __init__(self, policies: Mapping[str, str] | None = None, env: str | Environment | None = None,
-                 env_args: Mapping[str, Any] | None = None, max_turns: int | None = None) -> None:
+                 env_args: Mapping[str, Any] | None = None, max_turns: int | None = None,
+                 parallel_tool_calls: bool | None = None) -> None:
         super().__init__(policies)
         if env is None:
             raise ValueError("workflow environment: options.env is required (module:name or file.py:name)")
@@ -538,6 +549,11 @@ class EnvironmentWorkflow(Workflow):
             if max_turns < 1:
                 raise ValueError(f"workflow environment: options.max_turns must be >= 1, got {max_turns}")
             obj.max_turns = max_turns
+        if parallel_tool_calls is not None:
+            if not isinstance(parallel_tool_calls, bool):
+                raise ValueError("workflow environment: options.parallel_tool_calls must be true or false, got "
+                                 f"{parallel_tool_calls!r}")
+            obj.parallel_tool_calls = parallel_tool_calls
         self.env = obj
         #: the run's configured tools the environment calls (:func:`run_tool`): the RaaS worker refuses a config
         #: without them
@@ -569,7 +585,7 @@ class EnvironmentWorkflow(Workflow):
             raise ValueError(f"the chat template of policy {self.policies['policy']!r} renders no tools: the "
                              f"model would not see the tools {sorted(env.tools)}")
         traj = Trajectory(tok.encode(text, add_special_tokens=False))
-        turn_sampling = dataclasses.replace(sampling, stop=tuple(dict.fromkeys(sampling.stop + env.parser.stop)))
+        turn_sampling = dataclasses.replace(sampling, stop=tuple(dict.fromkeys(sampling.stop + env.turn_stop())))
         eos = tok.eos_token_id
         while True:
             gen = await eng.generate(traj.ids, turn_sampling)

@@ -41,29 +41,41 @@ SEARCH_SCHEMA = {"type": "function", "function": {
     "name": "search", "description": "Search the knowledge base.",
     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
 
+#: A search episode whose first turn is two parallel calls (:func:`episode_ids`): question, entities, documents,
+#: answer.
+PARALLEL = ("codes of zovob and kunov?", ("zovob", "kunov"), ("the code of zovob is 846", "the code of kunov is 993"),
+            "846")
+
 
 def call_text(name: str, arguments: dict) -> str:
     """A hermes tool call as the model writes it."""
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
 
-def episode_ids(tokenizer, question: str, entity: str, document: str, answer: str) -> tuple[list[int], list[int]]:
-    """The token ids of a whole search episode (prompt, call, tool turn, answer, EOS) and its loss mask."""
+def episode_ids(tokenizer, question: str, entity: str | tuple[str, ...], document: str | tuple[str, ...],
+                answer: str) -> tuple[list[int], list[int]]:
+    """The token ids of a whole search episode (prompt, call, tool turn, answer, EOS) and its loss mask. With
+    tuples of entities and documents, the first turn is parallel calls, one per entity, that the model ends with
+    EOS (a turn sampled without stop strings), answered by one tool turn per call."""
+    entities = (entity,) if isinstance(entity, str) else tuple(entity)
+    documents = (document,) if isinstance(document, str) else tuple(document)
     prompt = tokenizer.encode(render(tokenizer, [{"role": "user", "content": question}], [SEARCH_SCHEMA]),
                               add_special_tokens=False)
-    call = tokenizer.encode(call_text("search", {"query": entity}), add_special_tokens=False)
-    delta = tokenizer.encode(render_delta(tokenizer, [{"role": "tool", "tool_call_id": "call_0", "name": "search",
-                                                       "content": document}], [SEARCH_SCHEMA]),
-                             add_special_tokens=False)
+    call = tokenizer.encode("\n".join(call_text("search", {"query": e}) for e in entities), add_special_tokens=False)
+    if not isinstance(entity, str):
+        call.append(tokenizer.eos_token_id)
+    delta = tokenizer.encode(render_delta(tokenizer, [{"role": "tool", "tool_call_id": f"call_{i}", "name": "search",
+                                                       "content": d} for i, d in enumerate(documents)],
+                                          [SEARCH_SCHEMA]), add_special_tokens=False)
     final = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
     ids = prompt + call + delta + final
     mask = [0] * len(prompt) + [1] * len(call) + [0] * len(delta) + [1] * len(final)
     return ids, mask
 
 
-def hermes_policy(base: Path, out: Path, episodes: list[tuple[str, str, str, str]], steps: int = 300) -> Path:
+def hermes_policy(base: Path, out: Path, episodes: list[tuple], steps: int = 300) -> Path:
     """``base`` copied to ``out`` with :data:`HERMES_TEMPLATE`, fine-tuned on ``episodes`` (question, entity,
-    document, answer) until greedy decoding replays each; returns ``out``.
+    document, answer: :func:`episode_ids`) until greedy decoding replays each; returns ``out``.
 
     Raises:
         RuntimeError: it does not replay them after ``steps`` steps.
@@ -112,7 +124,7 @@ def _fit(model, opt, ids, attention, labels, out: Path, steps: int, n: int) -> P
                        f"(loss {loss.item():.3f})")
 
 
-def cached_hermes_policy(episodes: list[tuple[str, str, str, str]]) -> Path:
+def cached_hermes_policy(episodes: list[tuple]) -> Path:
     """:func:`hermes_policy` of the tiny model on ``episodes``, built once into the AstraFlow cache (keyed by this
     file and the episodes) and reused."""
     from weights.models import cache_dir, tiny_model_dir

@@ -16,7 +16,7 @@ from producers.search_server import SearchServer
 from producers.search_tool import SearchTool
 
 sys.path.insert(0, str(Path(__file__).parent))
-from env_rig import SEARCH_SCHEMA, cached_hermes_policy, episode_ids  # noqa: E402
+from env_rig import PARALLEL, SEARCH_SCHEMA, cached_hermes_policy, episode_ids  # noqa: E402
 
 openai = pytest.importorskip("openai")
 EPISODE = ("code of zovob?\n", "zovob", "the code of zovob is 846", "846")
@@ -76,6 +76,37 @@ def test_an_openai_client_runs_a_tool_episode_and_the_session_is_its_token_seque
     assert second.model_extra["prompt_token_ids"] == ids[:len(ids) - 4]
     [traj] = session.trajectories
     assert (traj.ids, traj.mask, session.calls) == (ids, mask, 2)
+
+
+def test_a_request_for_parallel_tool_calls_gets_every_call_of_the_turn():
+    from producers.hf_engine import HFEngine
+
+    engine = HFEngine(cached_hermes_policy([PARALLEL]))
+
+    async def main():
+        batcher = EngineBatcher(engine)
+        server = ChatServer(batcher, model="tiny")
+        client = openai.AsyncOpenAI(base_url=await server.start(), api_key="unused", max_retries=0)
+        ask = dict(model="tiny", messages=[{"role": "user", "content": PARALLEL[0]}], tools=[SEARCH_SCHEMA],
+                   temperature=0.0, max_tokens=200)
+        try:
+            parallel = await client.chat.completions.create(parallel_tool_calls=True, **ask)
+            default = await client.chat.completions.create(**ask)
+            with pytest.raises(openai.BadRequestError, match="parallel_tool_calls='yes': must be true or false"):
+                await client.chat.completions.create(extra_body={"parallel_tool_calls": "yes"}, **ask)
+            return parallel.choices[0], default.choices[0]
+        finally:
+            await client.close()
+            await server.stop()
+            batcher.close()
+
+    parallel, default = asyncio.run(main())
+    queries = [json.loads(c.function.arguments)["query"] for c in parallel.message.tool_calls]
+    assert (parallel.finish_reason, queries, [c.id for c in parallel.message.tool_calls]) == \
+        ("tool_calls", list(PARALLEL[1]), ["call_0", "call_1"])
+    # without it, the turn stopped as its first call closed
+    assert [json.loads(c.function.arguments)["query"] for c in default.message.tool_calls] == ["zovob"]
+    assert len(default.model_extra["token_ids"]) < len(parallel.model_extra["token_ids"])
 
 
 def test_the_openai_agent_workflow_rolls_out_an_agents_sessions_as_its_samples(hermes_dir):

@@ -24,7 +24,7 @@ from topics.bus import connect
 from topics.schemas import Prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
-from env_rig import HERMES_TEMPLATE, call_text, cached_hermes_policy, episode_ids, roll_out_one_group  # noqa: E402
+from env_rig import HERMES_TEMPLATE, PARALLEL, call_text, cached_hermes_policy, episode_ids, roll_out_one_group  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EPISODE = ("code of zovob?\n", "zovob", "the code of zovob is 846", "846")
@@ -125,7 +125,7 @@ def search_prompt(n: int) -> Prompt:
                   n_samples=n)
 
 
-def run_rollout(workflow, engine, prompt: Prompt, search: bool = True) -> tuple[list, int]:
+def run_rollout(workflow, engine, prompt: Prompt, search: bool = True, max_new_tokens: int = 80) -> tuple[list, int]:
     """The workflow's rollout of ``prompt`` on ``engine`` with a real search server; (groups, search calls)."""
     async def main():
         async with SearchServer() as server:
@@ -133,7 +133,7 @@ def run_rollout(workflow, engine, prompt: Prompt, search: bool = True) -> tuple[
             batcher = EngineBatcher(engine)
             try:
                 groups = await workflow.rollout(prompt, {"actor": batcher},
-                                                SamplingParams(max_new_tokens=80, temperature=0.0),
+                                                SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
                                                 {"search": tool} if search else {})
             finally:
                 batcher.close()
@@ -178,6 +178,27 @@ def test_an_episode_ends_at_max_turns_and_an_unconfigured_run_tool_is_an_observa
                      "config does not configure it (tools.search; configured: none)\""
 
 
+def test_a_parallel_turn_makes_every_call_and_a_default_turn_ends_at_its_first():
+    from producers.hf_engine import HFEngine
+
+    engine = HFEngine(cached_hermes_policy([PARALLEL]))
+    prompt = Prompt(prompt_id="p1", source="search", task_type="search", text=PARALLEL[0], answer=PARALLEL[3],
+                    n_samples=2)
+    ids, mask = episode_ids(engine.tokenizer, *PARALLEL)
+    workflow = get_workflow("environment", env=SEARCH_ENV, parallel_tool_calls=True)
+    [group], calls = run_rollout(workflow, engine, prompt, max_new_tokens=200)
+    assert calls == 4  # both calls of each sample's first turn, run concurrently
+    for s in group.samples:
+        assert (s.input_ids.tolist(), s.loss_mask.tolist()) == (ids, mask)
+        assert (s.reward, s.turns) == (1.0, 2)
+    # by default the turn stops as its first call closes: not a token is sampled past it
+    [group], calls = run_rollout(get_workflow("environment", env=SEARCH_ENV, max_turns=1), engine, prompt,
+                                 max_new_tokens=200)
+    first_call_end = mask.index(1) + len(engine.tokenizer.encode(call_text("search", {"query": "zovob"}),
+                                                                 add_special_tokens=False))
+    assert calls == 0 and [s.input_ids.tolist() for s in group.samples] == [ids[:first_call_end]] * 2
+
+
 def test_a_template_that_renders_no_tools_is_refused(tiny_model_dir):
     from producers.hf_engine import HFEngine
 
@@ -192,6 +213,7 @@ def test_a_template_that_renders_no_tools_is_refused(tiny_model_dir):
     ({"env": SEARCH_ENV, "env_args": {"max_turn": 3}}, "unexpected keyword argument 'max_turn'"),
     ({"env": f"{ROOT}/examples/environments/search_env.py:tool_calls_made", "env_args": {"state": {}}},
      "returned float, not an Environment"),
+    ({"env": SEARCH_ENV, "parallel_tool_calls": "yes"}, "options.parallel_tool_calls must be true or false"),
 ])
 def test_a_bad_environment_option_is_refused_naming_it(options, message):
     with pytest.raises((ValueError, TypeError), match=message):
