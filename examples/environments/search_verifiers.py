@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import verifiers.v1 as vf
+from pydantic import field_validator
 
 from producers.environments import run_tool
 from producers.rewards import strip_to_eos
@@ -23,9 +24,16 @@ QUESTIONS = Path(__file__).resolve().parents[2] / "producers" / "data" / "search
 
 
 class SearchData(vf.TaskData):
-    """A question's data: ``answer``, the entity's code (found only through the search tool)."""
+    """A question's data: ``answer``, the entity's code (found only through the search tool); a question given as
+    text is stripped of the newline the search source ends it with, as chat models (``tiny-search-hermes`` among
+    them) see a user message."""
 
     answer: str
+
+    @field_validator("prompt")
+    @classmethod
+    def _strip_question(cls, prompt: object) -> object:
+        return prompt.strip() if isinstance(prompt, str) else prompt
 
 
 class SearchTask(vf.Task[SearchData]):

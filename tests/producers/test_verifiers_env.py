@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from env_rig import cached_hermes_policy, episode_ids, roll_out_one_group  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-EPISODE = ("code of zovob?\n", "zovob", "the code of zovob is 846", "846")
+EPISODE = ("code of zovob?", "zovob", "the code of zovob is 846", "846")  # the env strips the source's newline
 SEARCH_ENV = f"{ROOT}/examples/environments/search_verifiers.py"
 
 
@@ -68,7 +68,7 @@ def test_a_bad_verifiers_option_is_refused_naming_it(options, message):
 
 def test_a_prompt_becomes_a_task_of_the_environments_task_type():
     workflow = get_workflow("verifiers", env=SEARCH_ENV)
-    prompt = Prompt(prompt_id="p0", source="search", task_type="search", text=EPISODE[0], answer=EPISODE[3])
+    prompt = Prompt(prompt_id="p0", source="search", task_type="search", text=EPISODE[0] + "\n", answer=EPISODE[3])
     task = workflow.task(prompt)
     assert (type(task).__name__, task.data.prompt, task.data.answer, task.data.id) == \
         ("SearchTask", EPISODE[0], "846", "p0")
