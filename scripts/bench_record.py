@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     args, bench = ap.parse_args(argv[:split]), argv[split + 1:]
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", args.name):
+        ap.error(f"NAME {args.name!r}: letters, digits, '-' and '_' only (a file name under docs/benchmarks/data)")
     if not bench or not bench[0].startswith("scripts/bench_"):
         ap.error("give the bench after --, e.g. -- scripts/bench_async.py --quick")
     commit, dirty = git_commit(), tree_is_dirty()
