@@ -228,7 +228,7 @@ class ChatServer:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = "length" if gen.finish_reason == "length" else "stop"
         if tools:
-            turn = self.parser.parse(text, first_id=sum(len(m.get("tool_calls") or ()) for m in messages))
+            turn = self.parser.read(text, first_id=sum(len(m.get("tool_calls") or ()) for m in messages))
             message = {"role": "assistant", "content": turn.content}
             if turn.calls:
                 message["tool_calls"] = [{"id": c.id, "type": "function",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import contextvars
 import dataclasses
 import importlib
@@ -34,6 +35,7 @@ import inspect
 import json
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Awaitable, Callable, ClassVar, Mapping, Sequence
 
@@ -197,6 +199,27 @@ class ToolParser(abc.ABC):
     @abc.abstractmethod
     def parse(self, text: str, first_id: int = 0) -> ParsedTurn:
         """The content and calls of ``text``; calls get ids ``call_<first_id>``, ``call_<first_id + 1>``, ..."""
+
+    def read(self, text: str, first_id: int = 0) -> ParsedTurn:
+        """:meth:`parse` a model turn, counting its malformed calls in :func:`tool_parse_errors` (what every
+        workflow calls)."""
+        turn = self.parse(text, first_id)
+        if turn.errors:
+            with _parse_errors_lock:
+                _parse_errors[self.name] += len(turn.errors)
+        return turn
+
+
+_parse_errors: collections.Counter[str] = collections.Counter()  # parser name -> malformed calls in this process
+_parse_errors_lock = threading.Lock()
+
+
+def tool_parse_errors() -> dict[str, int]:
+    """Malformed tool calls read in this process (:meth:`ToolParser.read`), by parser name; each was answered to
+    the model as an error and its episode went on. A RaaS worker reports the sum as ``tool_parse_errors_total`` on
+    ``metrics``."""
+    with _parse_errors_lock:
+        return dict(_parse_errors)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}
@@ -590,7 +613,7 @@ class EnvironmentWorkflow(Workflow):
         while True:
             gen = await eng.generate(traj.ids, turn_sampling)
             traj.add_generation(gen)
-            turn = env.parser.parse(tok.decode(gen.output_ids.tolist(), skip_special_tokens=True),
+            turn = env.parser.read(tok.decode(gen.output_ids.tolist(), skip_special_tokens=True),
                                     first_id=sum(len(m.get("tool_calls", ())) for m in messages))
             messages.append(turn.message())
             state["turns"] = traj.turns

@@ -294,6 +294,7 @@ METRIC_DESCRIPTIONS = {
     "tool.<name>.calls_total": "calls to a tool",
     "tool.<name>.errors_total": "failed calls to a tool (timeouts, errors, bad answers)",
     "reward_errors_total": "reward computations that raised or timed out (scored 0)",
+    "tool_parse_errors_total": "malformed tool calls in model turns, each answered to the model as an error",
     # filters and curators (policies/processor.py)
     "consumed": "groups read from `trajectories.<policy>`",
     "kept": "groups the filters kept",

@@ -14,7 +14,7 @@ from astraflow.config import load_config
 from producers.engine_batcher import EngineBatcher
 from producers.engines import SamplingParams
 from producers.environments import (Environment, EnvironmentWorkflow, HermesParser, ParsedTurn, Rubric, ToolCall,
-                                    function_tool, get_tool_parser, render_delta)
+                                    function_tool, get_tool_parser, render_delta, tool_parse_errors)
 from producers.raas import RaasWorker
 from producers.search_server import SearchServer
 from producers.search_tool import SearchTool
@@ -79,7 +79,9 @@ def test_the_hermes_parser_reads_calls_and_reports_malformed_ones():
     text = ("Let me look.\n" + call_text("search", {"query": "kavor"}) + "\n"
             + '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>'
             + "<tool_call>{not json}</tool_call>" + '<tool_call>{"arguments": {}}</tool_call>')
-    turn = parser.parse(text, first_id=4)
+    before = tool_parse_errors().get("hermes", 0)
+    turn = parser.read(text, first_id=4)
+    assert tool_parse_errors()["hermes"] == before + 2  # what a RaaS worker reports as tool_parse_errors_total
     assert turn.content == "Let me look."
     assert turn.calls == (ToolCall("search", {"query": "kavor"}, "call_4"), ToolCall("add", {"a": 1}, "call_5"))
     assert len(turn.errors) == 2 and all(e.startswith("error: malformed tool call") for e in turn.errors)
