@@ -14,17 +14,31 @@ from the prompt's id (the G samples of a group play the same game), and shows th
 user turn rendered with its chat template. Each model turn is the action's text field, stepped; the observation
 is the next user turn (``loss_mask`` 0), and the step's reward adds to the episode's return, which is the
 reward by default. The episode ends when the server says ``done`` or after ``max_turns`` moves.
+
+**MCP-tool environments.** An OpenEnv ``MCPEnvironment`` served with OpenEnv's MCP actions (``GET /schema`` gives
+``CallToolAction``, ``{"type": "call_tool", "tool_name", "arguments"}``, as its action) is detected from the schema
+(or named: ``actions: mcp``). At open, a ``{"type": "list_tools"}`` step on a session lists its tools (``name``,
+``description``, ``input_schema``): they become :class:`~producers.environments.FunctionTool` whose OpenAI schemas
+the policy's chat template renders. Each model turn is read by the tool-call parser (``parser``, hermes by
+default, with its stop strings); each call is stepped as a call-tool action on the episode's session, and its
+result (the MCP result's text, or ``error: ...`` for the server's tool error) goes back as a ``tool`` message
+(``loss_mask`` 0); the step's reward and ``done`` count as above. An unknown tool name is answered ``error: ...``
+without stepping the server, and a malformed call with the parser's error (a parse error, counted as the
+``environment`` workflow counts them); the episode goes on after either. A turn with no call ends the episode (the
+model has answered: the return so far is its reward), as in the ``environment`` workflow.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
-from typing import Any, ClassVar, Mapping
+from typing import Any, Awaitable, Callable, ClassVar, Mapping
 
 import aiohttp
 
-from producers.environments import Environment, EnvironmentWorkflow, ParsedTurn, Rubric
+from producers.environments import (Environment, EnvironmentWorkflow, FunctionTool, ParsedTurn, Rubric, ToolCall,
+                                    get_tool_parser)
 from producers.workflows import register_workflow
 from topics.schemas import Prompt
 
@@ -46,14 +60,22 @@ class OpenEnvSession:
         self.ws, self.url, self.timeout_s = ws, url, timeout_s
         #: a request went out and its answer did not come back (cancelled, timed out): the session cannot be reused
         self.broken = False
+        self._lock = asyncio.Lock()  # one request at a time: an answer is the next message on the connection
 
     async def request(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Send ``message`` and return the answer's ``data``.
+        """Send ``message`` and return the answer's ``data`` (concurrent requests take turns).
 
         Raises:
             OpenEnvError: an ``error`` answer (its message and code), a closed connection, an answer that is not
-                a JSON object, or none within ``timeout_s``.
+                a JSON object, or none within ``timeout_s``; a session broken by an earlier request.
         """
+        async with self._lock:
+            return await self._request(message)
+
+    async def _request(self, message: dict[str, Any]) -> dict[str, Any]:
+        if self.broken:
+            raise OpenEnvError(f"OpenEnv server {self.url}: the session lost an earlier answer; it cannot send "
+                               f"{message['type']!r}")
         self.broken = True
         try:
             await self.ws.send_str(json.dumps(message))
@@ -181,46 +203,114 @@ def episode_return(state: dict[str, Any]) -> float:
     return float(state.get("return", 0.0))
 
 
+#: How a server's actions are made: ``typed`` (its own action, the model's text in a string field) or ``mcp``
+#: (OpenEnv's MCP actions: ``list_tools`` and ``call_tool``).
+ACTIONS = ("typed", "mcp")
+
+
+def takes_mcp_actions(action: Mapping[str, Any]) -> bool:
+    """Whether ``action`` (the action JSON schema of ``GET /schema``) is OpenEnv's MCP action: ``CallToolAction``
+    or a subclass of it (a ``type`` field whose ``const`` or default is ``"call_tool"``), or the bare ``Action``
+    (no field but ``metadata``), for which an OpenEnv server reads MCP actions too."""
+    fields = action.get("properties", {})
+    kind = fields.get("type")
+    if isinstance(kind, dict) and "call_tool" in (kind.get("const"), kind.get("default")):
+        return True
+    return set(fields) <= {"metadata"}
+
+
+def call_tool_text(observation: Mapping[str, Any]) -> str:
+    """What the model is shown of a call-tool step's observation (``CallToolObservation``: ``result``,
+    ``error``): ``error: <message>`` for the server's error (unknown tool, bad arguments, a tool that raised, a
+    timeout); for an MCP result (``content`` blocks) its text blocks joined by newlines (its structured content as
+    JSON when it has no text), ``error: ...`` when it is an error result; any other result as text (JSON unless a
+    string)."""
+    error = observation.get("error")
+    if error:
+        return f"error: {error.get('message') if isinstance(error, dict) else error}"
+    result = observation.get("result")
+    if isinstance(result, dict) and isinstance(result.get("content"), list):
+        texts = [b["text"] for b in result["content"] if isinstance(b, dict) and b.get("type") == "text"]
+        text = "\n".join(texts)
+        if not texts and result.get("structured_content") is not None:
+            text = json.dumps(result["structured_content"])
+        return f"error: {text}" if result.get("is_error") else text
+    return result if isinstance(result, str) else json.dumps(result)
+
+
+#: The state of the episode the running task plays (:meth:`OpenEnvEnvironment.begin_episode` sets it): its session
+#: is where an MCP tool's call is stepped.
+current_episode: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("current_openenv_episode")
+
+
 class OpenEnvEnvironment(Environment):
     """An :class:`~producers.environments.Environment` whose answers are an OpenEnv server's steps (module
     docstring).
 
     Args:
         url: the server's ``http://host:port`` (None: refused at :meth:`open`, naming who sets it).
-        action_field: the action's string field the model's text goes in (None: the action schema's only
-            required string field).
+        action_field: typed actions: the action's string field the model's text goes in (None: the action schema's
+            only required string field).
         observation_field: the observation's field shown to the model (None: its only string field, else the
-            whole observation as JSON).
-        max_turns: the most moves per episode (>= 1).
+            whole observation as JSON); with MCP actions, of the reset's observation.
+        max_turns: the most model turns per episode (>= 1).
         system_prompt: a system message before the first observation, if any.
         timeout_s: the longest wait for the server (seconds).
+        actions: ``typed`` or ``mcp`` (:data:`ACTIONS`; None: detected from the server's action schema).
+        parser: MCP actions: the tool-call parser (None: ``hermes``).
 
     Raises:
-        ValueError: ``max_turns`` < 1.
+        ValueError: ``max_turns`` < 1; ``actions`` not in :data:`ACTIONS`.
+        KeyError: an unknown ``parser``.
     """
 
     answers_every_turn: ClassVar[bool] = True
 
     def __init__(self, url: str | None, action_field: str | None = None, observation_field: str | None = None,
-                 max_turns: int = 8, system_prompt: str | None = None, timeout_s: float = 60.0) -> None:
-        super().__init__(rubric=Rubric([episode_return]), max_turns=max_turns, system_prompt=system_prompt)
+                 max_turns: int = 8, system_prompt: str | None = None, timeout_s: float = 60.0,
+                 actions: str | None = None, parser: str | None = None) -> None:
+        if actions is not None and actions not in ACTIONS:
+            raise ValueError(f"OpenEnvEnvironment actions must be one of {list(ACTIONS)}, got {actions!r}")
+        super().__init__(rubric=Rubric([episode_return]), parser=parser or "hermes", max_turns=max_turns,
+                         system_prompt=system_prompt)
         self.url = url
         self.client = OpenEnvClient(url or "", timeout_s)
         self.action_field, self.observation_field = action_field, observation_field
+        self.configured_actions, self.configured_parser = actions, parser
+        #: the server's actions, settled at :meth:`open` (None before)
+        self.actions: str | None = None
 
     async def open(self) -> None:
-        """Connect to the server and settle the action field from its schema (:meth:`start` calls it once per
-        event loop).
+        """Connect to the server, settle its actions from its schema, and the action field (typed) or the tools
+        (MCP: a ``list_tools`` step on a session) (:meth:`start` calls it once per event loop).
 
         Raises:
-            OpenEnvError: the server does not answer.
-            ValueError: no ``url``; ``action_field`` is not a string field of the action, or None and the action has not
-                exactly one required string field.
+            OpenEnvError: the server does not answer, or lists no tools, or not as OpenEnv does.
+            ValueError (naming the option): no ``url``; ``actions`` contradicts the server's action schema; typed:
+                ``parser`` is set, or ``action_field`` is not a string field of the action, or None and the action
+                has not exactly one required string field; MCP: ``action_field`` is set.
         """
         if self.url is None:
             raise ValueError("workflow openenv: options.url is not set: `astraflow run` sets it for the server it "
                              "starts from options.command; a worker run alone needs options.url")
         action = (await self.client.start())["action"]
+        mcp = takes_mcp_actions(action)
+        if self.configured_actions is not None and (self.configured_actions == "mcp") != mcp:
+            found = ("OpenEnv's MCP call_tool action (use actions: mcp, or leave it unset)" if mcp else
+                     f"{action.get('title')!r} (fields {sorted(action.get('properties', {}))}), not OpenEnv's MCP "
+                     "call_tool action")
+            raise ValueError(f"workflow openenv: options.actions is {self.configured_actions!r}, but the action of "
+                             f"{self.client.url} is {found}")
+        self.actions = "mcp" if mcp else "typed"
+        if mcp:
+            if self.action_field is not None:
+                raise ValueError(f"workflow openenv: options.action_field is for typed actions; the actions of "
+                                 f"{self.client.url} are MCP tool calls")
+            self.tools = {t.name: t for t in await self._list_tools()}
+            return
+        if self.configured_parser is not None:
+            raise ValueError(f"workflow openenv: options.parser is for MCP-tool environments; the action of "
+                             f"{self.client.url} is typed (the model's text is the action, not parsed)")
         strings = [k for k, v in action.get("properties", {}).items() if v.get("type") == "string"]
         if self.action_field is None:
             required = [k for k in strings if k in action.get("required", ())]
@@ -232,9 +322,59 @@ class OpenEnvEnvironment(Environment):
             raise ValueError(f"workflow openenv: options.action_field {self.action_field!r} is not a string field of "
                              f"the action of {self.client.url} (its string fields: {strings})")
 
+    async def _list_tools(self) -> list[FunctionTool]:
+        """The server's tools, listed by a ``list_tools`` step on a session of the pool.
+
+        Raises:
+            OpenEnvError: the request fails, or the answer lists no tools or a tool without a string ``name`` and
+                an object ``input_schema``.
+        """
+        session = await self.client.acquire()
+        try:
+            listed = (await session.request({"type": "step", "data": {"type": "list_tools"}})).get("observation")
+        finally:
+            await self.client.release(session)
+        tools = listed.get("tools") if isinstance(listed, dict) else None
+        if not tools or not isinstance(tools, list):
+            raise OpenEnvError(f"OpenEnv server {self.client.url}: list_tools listed no tools (OpenEnv reports a "
+                               f"failed listing as none; see the server's log): {json.dumps(listed)[:200]}")
+        out = []
+        for tool in tools:
+            if not (isinstance(tool, dict) and isinstance(tool.get("name"), str)
+                    and isinstance(tool.get("input_schema"), dict)):
+                raise OpenEnvError(f"OpenEnv server {self.client.url}: list_tools listed {json.dumps(tool)[:200]}, "
+                                   "not a tool with a string name and an object input_schema")
+            out.append(FunctionTool(name=tool["name"], description=tool.get("description") or "",
+                                    parameters=tool["input_schema"], call=self._caller(tool["name"])))
+        return out
+
+    def _caller(self, name: str) -> Callable[[dict[str, Any]], Awaitable[str]]:
+        async def call(arguments: dict[str, Any]) -> str:
+            state = current_episode.get(None)
+            if state is None:
+                raise OpenEnvError(f"tool {name!r} of OpenEnv server {self.client.url} is called outside an episode "
+                                   "(it steps the episode's session)")
+            return await self.step_tool(state, name, arguments)
+        return call
+
+    async def step_tool(self, state: dict[str, Any], name: str, arguments: dict[str, Any]) -> str:
+        """Step the episode's session (``state["session"]``) with the call-tool action of ``name`` and
+        ``arguments``; count the step's reward and ``done``; return what the model is shown (:func:`call_tool_text`;
+        an observation that is not a call-tool one, as :meth:`observation_text`).
+
+        Raises:
+            OpenEnvError: the request fails (the episode cannot go on in its session).
+        """
+        result = await state["session"].request(
+            {"type": "step", "data": {"type": "call_tool", "tool_name": name, "arguments": arguments}})
+        self._record(result, state)
+        obs = result.get("observation") or {}
+        return call_tool_text(obs) if "tool_name" in obs else self.observation_text(result)
+
     async def close(self) -> None:
-        """End the sessions and the HTTP client."""
+        """End the sessions and the HTTP client; forget the listed tools (:meth:`open` lists them again)."""
         await self.client.close()
+        self.tools.clear()
         await super().close()
 
     def observation_text(self, result: Mapping[str, Any]) -> str:
@@ -259,8 +399,10 @@ class OpenEnvEnvironment(Environment):
 
     async def begin_episode(self, prompt: Prompt, state: dict[str, Any]) -> list[dict[str, Any]]:
         """Take a session, reset it with :func:`seed_of` the prompt, and return the chat of the first
-        observation (after the system prompt, if any)."""
+        observation (after the system prompt, if any). The episode's tool calls step this session
+        (:data:`current_episode`)."""
         state["session"] = session = await self.client.acquire()
+        current_episode.set(state)
         result = await session.request({"type": "reset", "data": {"seed": seed_of(prompt)}})
         self._record(result, state)
         messages = [{"role": "user", "content": self.observation_text(result)}]
@@ -274,15 +416,31 @@ class OpenEnvEnvironment(Environment):
         if session is not None:
             await self.client.release(session)
 
+    async def call_tool(self, call: ToolCall) -> str:
+        """MCP actions: the answer to ``call`` in the running episode (:meth:`step_tool`), or ``error: ...`` for
+        an unknown tool (the server is not asked).
+
+        Raises:
+            OpenEnvError: the episode's session fails (unlike a tool's failure, which the model is shown).
+        """
+        tool = self.tools.get(call.name)
+        return await super().call_tool(call) if tool is None else await tool.call(call.arguments)
+
     async def env_response(self, messages: list[dict[str, Any]], turn: ParsedTurn,
                            state: dict[str, Any]) -> list[dict[str, Any]]:
-        """Step the session with the turn's text as the action; the observation as a user message."""
+        """Typed actions: step the session with the turn's text as the action; the observation as a user message.
+        MCP actions: the turn's calls stepped (:meth:`call_tool`), as ``tool`` messages, then one per malformed
+        call."""
+        if self.actions == "mcp":
+            return await super().env_response(messages, turn, state)
         result = await state["session"].request({"type": "step", "data": {self.action_field: turn.content}})
         self._record(result, state)
         return [{"role": "user", "content": self.observation_text(result)}]
 
     def is_completed(self, messages: list[dict[str, Any]], turn: ParsedTurn, state: dict[str, Any]) -> bool:
-        """Whether the server said ``done``."""
+        """Whether the server said ``done``; with MCP actions, also when the turn made no call (an answer)."""
+        if self.actions == "mcp":
+            return super().is_completed(messages, turn, state)
         return bool(state.get("done"))
 
 
@@ -295,16 +453,19 @@ class OpenEnvWorkflow(EnvironmentWorkflow):
         url: the server's ``http://host:port``.
         command: the server's command line, with ``{port}`` where its port goes: ``astraflow run`` starts it and
             gives the workers its ``url`` (a worker given a command and no url refuses its first episode).
-        action_field, observation_field, max_turns, system_prompt, timeout_s: as :class:`OpenEnvEnvironment`.
+        action_field, observation_field, max_turns, system_prompt, timeout_s, actions, parser: as
+            :class:`OpenEnvEnvironment`.
 
     Raises:
-        ValueError: neither ``url`` nor ``command``, a ``url`` that is not http(s), ``max_turns`` < 1 or
-            ``timeout_s`` <= 0.
+        ValueError: neither ``url`` nor ``command``, a ``url`` that is not http(s), ``max_turns`` < 1,
+            ``timeout_s`` <= 0, ``actions`` not ``typed`` or ``mcp``, or an unknown ``parser`` (each naming its
+            option).
     """
 
     def __init__(self, policies: Mapping[str, str] | None = None, url: str | None = None, command: str | None = None,
                  action_field: str | None = None, observation_field: str | None = None, max_turns: int = 8,
-                 system_prompt: str | None = None, timeout_s: float = 60.0) -> None:
+                 system_prompt: str | None = None, timeout_s: float = 60.0, actions: str | None = None,
+                 parser: str | None = None) -> None:
         if url is None and command is None:
             raise ValueError("workflow openenv: options.url (the server's http://host:port) or options.command (the "
                              "server's command line, which `astraflow run` starts) is required")
@@ -314,5 +475,13 @@ class OpenEnvWorkflow(EnvironmentWorkflow):
             raise ValueError(f"workflow openenv: options.max_turns must be >= 1, got {max_turns}")
         if timeout_s <= 0:
             raise ValueError(f"workflow openenv: options.timeout_s must be > 0, got {timeout_s}")
+        if actions is not None and actions not in ACTIONS:
+            raise ValueError(f"workflow openenv: options.actions must be one of {list(ACTIONS)} (or unset: detected "
+                             f"from the server), got {actions!r}")
+        if parser is not None:
+            try:
+                get_tool_parser(parser)
+            except KeyError as e:
+                raise ValueError(f"workflow openenv: options.parser: {e.args[0]}") from None
         super().__init__(policies, env=OpenEnvEnvironment(url, action_field, observation_field, max_turns,
-                                                          system_prompt, timeout_s))
+                                                          system_prompt, timeout_s, actions, parser))

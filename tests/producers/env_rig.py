@@ -53,29 +53,32 @@ def call_text(name: str, arguments: dict) -> str:
 
 
 def episode_ids(tokenizer, question: str, entity: str | tuple[str, ...], document: str | tuple[str, ...],
-                answer: str) -> tuple[list[int], list[int]]:
+                answer: str, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """The token ids of a whole search episode (prompt, call, tool turn, answer, EOS) and its loss mask. With
     tuples of entities and documents, the first turn is parallel calls, one per entity, that the model ends with
-    EOS (a turn sampled without stop strings), answered by one tool turn per call."""
+    EOS (a turn sampled without stop strings), answered by one tool turn per call. ``tools``: the tool schemas
+    rendered (None: :data:`SEARCH_SCHEMA` alone)."""
+    tools = tools or [SEARCH_SCHEMA]
     entities = (entity,) if isinstance(entity, str) else tuple(entity)
     documents = (document,) if isinstance(document, str) else tuple(document)
-    prompt = tokenizer.encode(render(tokenizer, [{"role": "user", "content": question}], [SEARCH_SCHEMA]),
+    prompt = tokenizer.encode(render(tokenizer, [{"role": "user", "content": question}], tools),
                               add_special_tokens=False)
     call = tokenizer.encode("\n".join(call_text("search", {"query": e}) for e in entities), add_special_tokens=False)
     if not isinstance(entity, str):
         call.append(tokenizer.eos_token_id)
     delta = tokenizer.encode(render_delta(tokenizer, [{"role": "tool", "tool_call_id": f"call_{i}", "name": "search",
                                                        "content": d} for i, d in enumerate(documents)],
-                                          [SEARCH_SCHEMA]), add_special_tokens=False)
+                                          tools), add_special_tokens=False)
     final = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
     ids = prompt + call + delta + final
     mask = [0] * len(prompt) + [1] * len(call) + [0] * len(delta) + [1] * len(final)
     return ids, mask
 
 
-def hermes_policy(base: Path, out: Path, episodes: list[tuple], steps: int = 300) -> Path:
+def hermes_policy(base: Path, out: Path, episodes: list[tuple], steps: int = 300,
+                  tools: list[dict] | None = None) -> Path:
     """``base`` copied to ``out`` with :data:`HERMES_TEMPLATE`, fine-tuned on ``episodes`` (question, entity,
-    document, answer: :func:`episode_ids`) until greedy decoding replays each; returns ``out``.
+    document, answer; with ``tools``: :func:`episode_ids`) until greedy decoding replays each; returns ``out``.
 
     Raises:
         RuntimeError: it does not replay them after ``steps`` steps.
@@ -88,7 +91,7 @@ def hermes_policy(base: Path, out: Path, episodes: list[tuple], steps: int = 300
     tok.save_pretrained(out)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    rows = [episode_ids(tok, *e) for e in episodes]
+    rows = [episode_ids(tok, *e, tools=tools) for e in episodes]
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), tok.pad_token_id)
     labels = torch.full((len(rows), width), -100)
@@ -124,18 +127,19 @@ def _fit(model, opt, ids, attention, labels, out: Path, steps: int, n: int) -> P
                        f"(loss {loss.item():.3f})")
 
 
-def cached_hermes_policy(episodes: list[tuple]) -> Path:
-    """:func:`hermes_policy` of the tiny model on ``episodes``, built once into the AstraFlow cache (keyed by this
-    file and the episodes) and reused."""
+def cached_hermes_policy(episodes: list[tuple], tools: list[dict] | None = None) -> Path:
+    """:func:`hermes_policy` of the tiny model on ``episodes`` (and ``tools``), built once into the AstraFlow cache
+    (keyed by this file, the episodes and the tools) and reused."""
     from weights.models import cache_dir, tiny_model_dir
 
     base = tiny_model_dir()
-    key = hashlib.sha256((Path(__file__).read_text() + base.name + json.dumps(episodes)).encode()).hexdigest()[:12]
+    key = hashlib.sha256((Path(__file__).read_text() + base.name + json.dumps(episodes)
+                          + ("" if tools is None else json.dumps(tools))).encode()).hexdigest()[:12]
     target = cache_dir() / f"tiny-hermes-test-{key}"
     if not (target / "config.json").exists():
         tmp = cache_dir() / f"tiny-hermes-test-{key}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        hermes_policy(base, tmp, episodes)
+        hermes_policy(base, tmp, episodes, tools=tools)
         os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
     return target
 
@@ -143,7 +147,8 @@ def cached_hermes_policy(episodes: list[tuple]) -> Path:
 def roll_out_one_group(config: Path, server) -> tuple[TrajectoryGroup, int, object]:
     """Acquire the run's prompts (``config`` holds one), roll them out with one RaaS worker until a group is on
     the trajectories topic (180 s at most), then stop the worker and kill ``server`` (a ``subprocess.Popen``).
-    Returns the group, the calls made to the ``search`` tool and the policy's tokenizer."""
+    Returns the group, the calls made to the run's ``search`` tool (None when the run configures none) and the
+    policy's tokenizer."""
     from astraflow.config import load_config
     from producers.acquisition import acquire_run
     from producers.raas import RaasWorker
@@ -163,7 +168,7 @@ def roll_out_one_group(config: Path, server) -> tuple[TrajectoryGroup, int, obje
         while sum(bus.admin().end_offsets(topic).values()) < 1:
             assert time.monotonic() < deadline, "the prompt was not rolled out"
             worker.step()
-        calls = worker.tools["search"].calls
+        calls = worker.tools["search"].calls if "search" in worker.tools else None
     finally:
         worker.close()
         server.kill()

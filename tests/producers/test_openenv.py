@@ -31,10 +31,11 @@ needs_server = pytest.mark.skipif(not OPENENV_PYTHON.exists(),
                                   reason="no .venv-openenv (scripts/install_openenv.sh) to serve the OpenEnv game")
 
 
-def start_game(log_path: Path, *options: str) -> tuple[subprocess.Popen, str]:
-    """The guess-the-number server as a subprocess; (the process, its URL) once ``/health`` answers."""
+def start_game(log_path: Path, *options: str, script: Path = GAME) -> tuple[subprocess.Popen, str]:
+    """The guess-the-number server (or another OpenEnv server ``script`` of ``.venv-openenv``) as a subprocess;
+    (the process, its URL) once ``/health`` answers."""
     port = free_port()
-    proc = subprocess.Popen([str(OPENENV_PYTHON), str(GAME), "--port", str(port), *options],
+    proc = subprocess.Popen([str(OPENENV_PYTHON), str(script), "--port", str(port), *options],
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
