@@ -202,18 +202,6 @@ class RaasConfig(_Strict):
     max_episodes: int = Field(default=256, ge=1, description="the most samples (episodes) a worker rolls out at "
                               "once, over every prompt in flight (a sample that ended while the others of its group "
                               "run does not count); a prompt starts while fewer are running")
-    engine_min_rows: int = Field(default=1, ge=1, description="an engine call waits until this many requests are "
-                                 "pending, or until the oldest has waited engine_max_wait_s (fuller calls when a slow "
-                                 "tool spreads the episodes' returns out in time); 1: a call goes as the engine frees")
-    engine_max_wait_s: float = Field(default=0.0, ge=0, description="seconds a request waits at most for "
-                                     "engine_min_rows (> 0 when engine_min_rows > 1)")
-
-    @model_validator(mode="after")
-    def _floor_has_a_deadline(self) -> "RaasConfig":
-        if self.engine_min_rows > 1 and self.engine_max_wait_s == 0:
-            raise ValueError(f"engine_min_rows={self.engine_min_rows} with engine_max_wait_s=0: a request would not "
-                             "wait for the others; set engine_max_wait_s (e.g. 0.2)")
-        return self
 
 
 

@@ -42,36 +42,19 @@ class EngineBatcher:
             coming back from a tool arrive one by one; on the tiny CPU model a decode loop costs about the
             same for 1 row as for 30, so a few milliseconds of gathering make far fewer, fuller calls
             (0 dispatches at the end of the loop tick).
-        min_rows: a call waits until this many requests are pending, or until the oldest has waited
-            ``max_wait_s`` (the dynamic batching of inference servers: a preferred batch size and a queue
-            delay). With a slow tool, episodes come back spread out in time, and a call as soon as the engine
-            is free carries only those that came back during the last one (~20 of 256 episodes at a 0.3 s
-            tool), each call costing a whole decode loop; a floor makes fewer, fuller calls at the price of
-            up to ``max_wait_s`` per turn, which a worker rolling out ahead of its trainer can afford. 1: no
-            floor.
-        max_wait_s: the longest a request waits for ``min_rows`` (seconds).
-
-    Raises:
-        ValueError: ``min_rows`` < 1, or ``max_wait_s`` or ``gather_s`` < 0.
 
     Attributes:
         calls: engine calls made so far; ``rows``: prompts sent in them (rows / calls is the mean batch).
     """
 
-    def __init__(self, engine: Engine, name: str = "engine", gather_s: float = 0.01, min_rows: int = 1,
-                 max_wait_s: float = 0.0) -> None:
-        if min_rows < 1 or max_wait_s < 0 or gather_s < 0:
-            raise ValueError(f"EngineBatcher: min_rows must be >= 1 and max_wait_s, gather_s >= 0; got min_rows "
-                             f"{min_rows}, max_wait_s {max_wait_s}, gather_s {gather_s}")
+    def __init__(self, engine: Engine, name: str = "engine", gather_s: float = 0.01) -> None:
         self.engine, self.gather_s = engine, gather_s
-        self.min_rows, self.max_wait_s = min_rows, max_wait_s
         self.concurrent = max(1, engine.concurrent_calls)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrent,
                                                               thread_name_prefix=f"{name}-engine")
-        # (prompt ids, sampling, its future, the loop time it was made), oldest first
-        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future, float]] = []
+        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
         self._running = 0
-        self._scheduled: asyncio.Handle | None = None  # the dispatch to come
+        self._scheduled = False
         self._just_freed = False  # _schedule called as a call ends: the requests that waited for it go at once
         self.calls = self.rows = 0
 
@@ -98,9 +81,8 @@ class EngineBatcher:
             EngineCallFailed: that call raised anything else (its ``__cause__``, e.g. ``ValueError`` for an
                 empty prompt).
         """
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._pending.append((list(ids), sampling, future, loop.time()))
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((list(ids), sampling, future))
         self._schedule()
         return await future
 
@@ -119,26 +101,16 @@ class EngineBatcher:
     # -- the batching loop ---------------------------------------------------------------
     def _schedule(self) -> None:
         """Dispatch at the end of this loop tick, or, when the engine is idle, in ``gather_s``: every request made
-        by then joins the call (requests made while a call ran go as soon as it ends). While fewer than
-        ``min_rows`` are pending, the dispatch waits until the oldest has waited ``max_wait_s``."""
-        if not self._pending or self._running >= self.concurrent:
-            return
-        loop = asyncio.get_running_loop()
-        if len(self._pending) < self.min_rows:
-            delay = self._pending[0][3] + self.max_wait_s - loop.time()
-        elif self.gather_s > 0 and self._running == 0 and not self._just_freed:
-            delay = self.gather_s
-        else:
-            delay = 0.0
-        when = loop.time() + max(delay, 0.0)
-        if self._scheduled is not None:
-            if not isinstance(self._scheduled, asyncio.TimerHandle) or self._scheduled.when() <= when:
-                return  # a dispatch is due already, no later than this one
-            self._scheduled.cancel()  # e.g. the floor is reached: go now rather than at the deadline
-        self._scheduled = loop.call_at(when, self._dispatch) if delay > 0 else loop.call_soon(self._dispatch)
+        by then joins the call (requests made while a call ran go as soon as it ends)."""
+        if not self._scheduled and self._pending and self._running < self.concurrent:
+            self._scheduled = True
+            if self.gather_s > 0 and self._running == 0 and not self._just_freed:
+                asyncio.get_running_loop().call_later(self.gather_s, self._dispatch)
+            else:
+                asyncio.get_running_loop().call_soon(self._dispatch)
 
     def _dispatch(self) -> None:
-        self._scheduled = None
+        self._scheduled = False
         if not self._pending or self._running >= self.concurrent:
             return
         # one call per sampling setting (roles may use other budgets): the oldest request's setting first
@@ -149,7 +121,7 @@ class EngineBatcher:
         if live:
             self._running += 1
             self.calls, self.rows = self.calls + 1, self.rows + len(live)
-            asyncio.get_running_loop().create_task(self._call([r[:3] for r in live], sampling))
+            asyncio.get_running_loop().create_task(self._call(live, sampling))
         self._schedule()
 
     async def _call(self, requests: list[tuple[list[int], SamplingParams, asyncio.Future]],

@@ -259,8 +259,7 @@ class RaasWorker:
         self.loop = asyncio.new_event_loop()
         self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=64,
                                                                              thread_name_prefix=f"{self.id}-io"))
-        self.batchers = {p: EngineBatcher(e, name=f"{self.id}-{p}", min_rows=cfg.raas.engine_min_rows,
-                                          max_wait_s=cfg.raas.engine_max_wait_s) for p, e in self.engines.items()}
+        self.batchers = {p: EngineBatcher(e, name=f"{self.id}-{p}") for p, e in self.engines.items()}
         self.tools: dict[str, Tool] = make_tools(cfg.tools, search_url)
         self.ledger = PromptLedger()
         # rollout task -> [its prompt's record, its episodes still running (workflows.episode_ended)]

@@ -257,33 +257,3 @@ def test_a_scheduler_hears_each_episode_end_as_it_ends():
     assert [n for n, _ in heard] == [2, 1, 0]
     assert heard[0][1] < heard[1][1] < 0.29 <= heard[2][1], heard  # the quick ones are heard before the slowest ends
     assert asyncio.run(gather_episodes([episode(0, 7)])) == [7]  # no scheduler: nothing to tell
-
-
-def test_an_engine_call_waits_for_its_floor_of_rows_or_the_oldest_requests_deadline(engine):
-    """EngineBatcher's ``min_rows``: requests made one by one go as one call once the floor is reached (long before
-    the deadline), and fewer than the floor go together when the oldest has waited ``max_wait_s``."""
-    from producers.config import RaasConfig
-    from producers.engine_batcher import EngineBatcher
-
-    ids = engine.tokenizer.encode("3+4=", add_special_tokens=False)
-
-    def spread(n: int, spacing_s: float, **floor) -> tuple[int, int]:
-        async def go() -> tuple[int, int]:
-            batcher = EngineBatcher(engine, **floor)
-
-            async def one(i: int):
-                await asyncio.sleep(i * spacing_s)
-                return await batcher.generate(ids, SAMPLING)
-            try:
-                await asyncio.gather(*(one(i) for i in range(n)))
-                return batcher.calls, batcher.rows
-            finally:
-                batcher.close()
-        return asyncio.run(go())
-
-    assert spread(4, 0.05, min_rows=4, max_wait_s=600.0) == (1, 4)
-    assert spread(3, 0.0, min_rows=100, max_wait_s=0.05) == (1, 3)
-    with pytest.raises(ValueError, match="min_rows must be >= 1"):
-        EngineBatcher(engine, min_rows=0)
-    with pytest.raises(ValueError, match="engine_min_rows=8 with engine_max_wait_s=0"):
-        RaasConfig(engine_min_rows=8)
