@@ -39,12 +39,17 @@ import aiohttp
 
 from producers.environments import (Environment, EnvironmentWorkflow, FunctionTool, ParsedTurn, Rubric, ToolCall,
                                     get_tool_parser)
-from producers.workflows import register_workflow
+from producers.workflows import ServiceUnavailable, register_workflow
 from topics.schemas import Prompt
 
 
 class OpenEnvError(RuntimeError):
     """The OpenEnv server refused a request, answered out of protocol, or did not answer in time."""
+
+
+class OpenEnvUnavailable(OpenEnvError, ServiceUnavailable):
+    """The OpenEnv server cannot be reached (no connection, or the connection dropped): the server's failure, not
+    the prompt's (:class:`~producers.workflows.ServiceUnavailable`)."""
 
 
 class OpenEnvSession:
@@ -84,9 +89,9 @@ class OpenEnvSession:
             raise OpenEnvError(f"OpenEnv server {self.url}: no answer to {message['type']!r} in "
                                f"{self.timeout_s:g} s (options.timeout_s)") from None
         except (aiohttp.ClientError, ConnectionError) as e:
-            raise OpenEnvError(f"OpenEnv server {self.url}: {message['type']!r} failed: {e}") from None
+            raise OpenEnvUnavailable(f"OpenEnv server {self.url}: {message['type']!r} failed: {e}") from None
         if msg.type != aiohttp.WSMsgType.TEXT:
-            raise OpenEnvError(f"OpenEnv server {self.url}: the session ended ({msg.type.name}) before it answered "
+            raise OpenEnvUnavailable(f"OpenEnv server {self.url}: the session ended ({msg.type.name}) before it answered "
                                f"{message['type']!r}")
         try:
             answer = json.loads(msg.data)
@@ -149,7 +154,7 @@ class OpenEnvClient:
                 resp.raise_for_status()
                 schema = await resp.json()
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            raise OpenEnvError(f"OpenEnv server {self.url}: GET /schema failed: {type(e).__name__}: {e}") from None
+            raise OpenEnvUnavailable(f"OpenEnv server {self.url}: GET /schema failed: {type(e).__name__}: {e}") from None
         if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
             raise OpenEnvError(f"OpenEnv server {self.url}: GET /schema gave no action schema")
         return schema
@@ -169,9 +174,29 @@ class OpenEnvClient:
             ws = await self._http.ws_connect(f"{ws_url}/ws", timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
                                              max_msg_size=0)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise OpenEnvError(f"OpenEnv server {self.url}: cannot open a session on /ws: {type(e).__name__}: {e}") from None
+            raise OpenEnvUnavailable(f"OpenEnv server {self.url}: cannot open a session on /ws: {type(e).__name__}: "
+                                     f"{e}") from None
         self.sessions += 1
         return OpenEnvSession(ws, self.url, self.timeout_s)
+
+    async def reset(self, data: dict[str, Any]) -> tuple[OpenEnvSession, dict[str, Any]]:
+        """A session reset with ``data`` (``{"seed": ...}``) and the reset's answer: an idle session, or a new one.
+        An idle session that the server closed while it waited in the pool (uvicorn, which serves OpenEnv, pings
+        every WebSocket and closes one that does not answer in time; nobody reads a pooled session, so nobody
+        answers) fails its reset without an answer: it is ended and the next one is tried.
+
+        Raises:
+            OpenEnvError: the reset of a new session fails, or the server refuses a reset.
+        """
+        while True:
+            fresh = not self._idle
+            session = await self.acquire()
+            try:
+                return session, await session.request({"type": "reset", "data": data})
+            except OpenEnvError:
+                await self.release(session)  # ended when broken (no answer came)
+                if fresh or not session.broken:
+                    raise
 
     async def release(self, session: OpenEnvSession) -> None:
         """Give ``session`` back for another episode, or end it if it is broken."""
@@ -398,12 +423,11 @@ class OpenEnvEnvironment(Environment):
         state["done"] = bool(result.get("done"))
 
     async def begin_episode(self, prompt: Prompt, state: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take a session, reset it with :func:`seed_of` the prompt, and return the chat of the first
+        """Take a session reset with :func:`seed_of` the prompt (:meth:`OpenEnvClient.reset`), and return the chat of the first
         observation (after the system prompt, if any). The episode's tool calls step this session
         (:data:`current_episode`)."""
-        state["session"] = session = await self.client.acquire()
+        state["session"], result = await self.client.reset({"seed": seed_of(prompt)})
         current_episode.set(state)
-        result = await session.request({"type": "reset", "data": {"seed": seed_of(prompt)}})
         self._record(result, state)
         messages = [{"role": "user", "content": self.observation_text(result)}]
         if self.system_prompt is not None:

@@ -26,7 +26,8 @@ with the reason (counted as ``too_long_total`` on ``metrics``), and its offset i
 does a prompt whose rollout fails, by an error of the workflow or of a tool it calls (a poison prompt: delivered
 again, it would fail again): the dead letter names the prompt and the error, it is counted as
 ``rollout_errors_total``, and the worker goes on. A failed engine call
-(:class:`~producers.engine_batcher.EngineCallFailed`) is the engine's failure, not the prompt's: it is raised.
+(:class:`~producers.engine_batcher.EngineCallFailed`) is the engine's failure, not the prompt's: it is raised;
+so is an environment server that cannot be reached (:class:`~producers.workflows.ServiceUnavailable`).
 
 Episodes: the worker is an episode scheduler on an asyncio loop. Each polled prompt starts a rollout task
 (its G samples are episodes of their own, coroutines of the workflow, :mod:`producers.workflows`), and up
@@ -66,7 +67,7 @@ from producers.environments import tool_parse_errors
 from producers.hf_engine import HFEngine
 from producers.prompt_ledger import PromptLedger
 from producers.rewards import reward_errors
-from producers.workflows import Tool, episode_ended, get_workflow, prompt_ids
+from producers.workflows import ServiceUnavailable, Tool, episode_ended, get_workflow, prompt_ids
 from topics.bus import Bus, BusError, Record, TopicPartition, connect
 from topics.patience import patiently
 from topics.codec import encode, headers_for
@@ -627,7 +628,7 @@ class RaasWorker:
         try:
             groups = await self.workflow.rollout(prompt, self.batchers, self.sampling, self.tools)
         except Exception as error:
-            if _caused_by(error, (GenerationInterrupted, EngineCallFailed)):
+            if _caused_by(error, (GenerationInterrupted, EngineCallFailed, ServiceUnavailable)):
                 raise
             reason = (f"prompt {prompt.prompt_id} ({prompt.source}): the rollout of workflow "
                       f"{self.cfg.workflow.name!r} failed: {type(error).__name__}: {error}")

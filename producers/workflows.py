@@ -38,6 +38,12 @@ WORKFLOWS: dict[str, type["Workflow"]] = {}
 #: Workflows registered by a module of their own, imported when first asked for (it needs an optional package):
 #: name -> (module, the extra that installs what it needs).
 OPTIONAL_WORKFLOWS: dict[str, tuple[str, str]] = {"verifiers": ("producers.verifiers_env", "environments")}
+class ServiceUnavailable(RuntimeError):
+    """A service the episodes depend on (an environment server) cannot be reached: not the prompt's failure. A RaaS
+    worker does not dead-letter the prompt for it; it stops (its prompts are delivered again) and is restarted,
+    as for a failed engine call."""
+
+
 #: A tool an episode calls: an argument (a query, code) in, the answer the agent sees out, never raising
 #: for a failed tool (:class:`producers.search_tool.SearchTool`).
 Tool = Callable[[str], Awaitable[str]]

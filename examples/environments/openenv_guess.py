@@ -82,10 +82,13 @@ def main() -> None:
     ap.add_argument("--high", type=int, default=8, help="numbers are 1..high")
     ap.add_argument("--max-guesses", type=int, default=4)
     ap.add_argument("--max-sessions", type=int, default=64, help="concurrent WebSocket sessions")
+    ap.add_argument("--ws-ping-s", type=float, default=20.0,
+                    help="uvicorn pings each WebSocket this often and closes one whose pong is this late")
     args = ap.parse_args()
     app = create_app(make_env(args.high, args.max_guesses), GuessAction, GuessObservation, env_name="guess",
                      max_concurrent_envs=args.max_sessions)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", ws_ping_interval=args.ws_ping_s,
+                ws_ping_timeout=args.ws_ping_s)
 
 
 if __name__ == "__main__":

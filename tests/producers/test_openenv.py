@@ -229,3 +229,61 @@ def test_astraflow_run_starts_the_command_and_gives_the_workers_its_url(tmp_path
     path = openenv_config(tmp_path, '{command: "python game.py"}')
     with pytest.raises(ConfigError, match=r"has no \{port\}"):
         plan_components(load_config(path), path, [])
+
+
+@needs_server
+def test_a_pooled_session_the_server_closed_is_replaced_not_failed(tmp_path):
+    """uvicorn pings every WebSocket and closes one that does not answer; nobody reads a session idle in the pool,
+    so the server closes it. The next episode's reset on it fails without an answer: the client ends it and
+    resets a new session instead of failing the episode."""
+    proc, url = start_game(tmp_path / "game.log", "--ws-ping-s", "0.2")
+
+    async def main():
+        client = OpenEnvClient(url, timeout_s=30)
+        await client.start()
+        try:
+            first, _ = await client.reset({"seed": 1})
+            await client.release(first)
+            deadline = time.monotonic() + 120
+            while first.ws.get_extra_info("peername") is not None:  # the server has not closed it yet
+                assert time.monotonic() < deadline, "the server never closed the idle session"
+                await asyncio.sleep(0.1)
+            second, answer = await client.reset({"seed": 1})
+            return first, second, answer, client.sessions
+        finally:
+            await client.close()
+
+    try:
+        first, second, answer, sessions = asyncio.run(main())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert second is not first and sessions == 1
+    assert answer["observation"] == {"message": RULES}
+
+
+def test_an_unreachable_server_stops_the_worker_and_dead_letters_nothing(tmp_path):
+    """A server that cannot be reached is the server's failure, not the prompt's: the RaaS worker raises
+    OpenEnvUnavailable (the launcher restarts it; the prompt is delivered again) and writes no dead letter."""
+    from producers.openenv_client import OpenEnvUnavailable
+    from producers.acquisition import acquire_run
+    from producers.raas import RaasWorker
+    from topics.bus import connect
+    from topics.layout import ensure_run_topics
+    from topics.names import TopicNames
+
+    path = openenv_config(tmp_path, f'{{url: "http://127.0.0.1:{free_port()}"}}')  # nothing listens there
+    cfg = load_config(path, ["data.sources=[{name: arith, limit: 2}]", "data.n_samples=2"])
+    names, bus = TopicNames(cfg.run), connect(cfg.bus, cfg.kafka)
+    ensure_run_topics(bus.admin(), names, ["actor"], partitions=1)
+    assert acquire_run(cfg.acquisition_section()) == 2
+    worker = RaasWorker(cfg.raas_section(), 0, bus)
+    try:
+        with pytest.raises(OpenEnvUnavailable, match="GET /schema failed"):
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                worker.step()
+    finally:
+        worker.close()
+    assert sum(bus.admin().end_offsets(names.deadletter).values()) == 0
+    assert worker.totals["rollout_errors"] == 0
