@@ -168,8 +168,12 @@ class ChatServer:
         if body.get("n", 1) != 1:
             raise BadRequest(f"n={body['n']}: one choice per request (send G requests for G samples)")
         stop = body.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        parallel = body.get("parallel_tool_calls", False)
+        stop = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, list | tuple) or not all(isinstance(x, str) for x in stop):
+            raise BadRequest(f"stop={body.get('stop')!r}: a string or a list of strings")
+        stop = tuple(stop)
+        parallel = body.get("parallel_tool_calls")
+        parallel = False if parallel is None else parallel  # null: unset, as OpenAI's clients may send it
         if not isinstance(parallel, bool):
             raise BadRequest(f"parallel_tool_calls={parallel!r}: must be true or false")
         if tools and not parallel:
@@ -213,6 +217,9 @@ class ChatServer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest(f"messages[{i}] is not an object with a string role: {json.dumps(m)[:200]}")
         messages = [_normal(m) for m in messages]
         tools = body.get("tools") or None
         sampling = self._sampling(body, bool(tools))

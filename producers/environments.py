@@ -29,10 +29,10 @@ import asyncio
 import collections
 import contextvars
 import dataclasses
-import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import re
 import sys
 import threading
@@ -42,11 +42,15 @@ from typing import Any, Awaitable, Callable, ClassVar, Mapping, Sequence
 import docstring_parser
 from pydantic import TypeAdapter, ValidationError, validate_call
 
+from policies.registry import import_user_module
 from producers.engine_batcher import EngineBatcher
 from producers.engines import SamplingParams
 from producers.workflows import (Tool, Trajectory, Workflow, gather_episodes, register_workflow,
                                  rewards_of)
 from topics.schemas import Prompt, TrajectoryGroup
+
+log = logging.getLogger(__name__)
+_logged_tools: set[str] = set()  # tools whose first failed call in this process was logged
 
 #: The run's configured tools (``tools:`` of the config) while a rollout of :class:`EnvironmentWorkflow` runs;
 #: :func:`run_tool` calls them.
@@ -119,7 +123,10 @@ def function_tool(fn: Callable[..., Any], name: str | None = None) -> FunctionTo
     is_async = inspect.iscoroutinefunction(fn)
 
     async def call(arguments: dict[str, Any]) -> str:
-        result = await validated(**arguments) if is_async else await asyncio.to_thread(validated, **arguments)
+        try:
+            result = await validated(**arguments) if is_async else await asyncio.to_thread(validated, **arguments)
+        except SystemExit as e:  # out of this coroutine, it would leave the event loop and end the worker
+            raise RuntimeError(f"the tool raised SystemExit({e.code!r})") from None
         return result if isinstance(result, str) else json.dumps(result)
 
     return FunctionTool(name=name or fn.__name__, description=description, parameters=schema, call=call)
@@ -201,25 +208,30 @@ class ToolParser(abc.ABC):
         """The content and calls of ``text``; calls get ids ``call_<first_id>``, ``call_<first_id + 1>``, ..."""
 
     def read(self, text: str, first_id: int = 0) -> ParsedTurn:
-        """:meth:`parse` a model turn, counting its malformed calls in :func:`tool_parse_errors` (what every
+        """:meth:`parse` a model turn, counting its malformed calls in :func:`environment_errors` (what every
         workflow calls)."""
         turn = self.parse(text, first_id)
-        if turn.errors:
-            with _parse_errors_lock:
-                _parse_errors[self.name] += len(turn.errors)
+        _count("tool_parse_errors", len(turn.errors))
         return turn
 
 
-_parse_errors: collections.Counter[str] = collections.Counter()  # parser name -> malformed calls in this process
-_parse_errors_lock = threading.Lock()
+_errors: collections.Counter[str] = collections.Counter()  # kind -> count in this process (environment_errors)
+_errors_lock = threading.Lock()
 
 
-def tool_parse_errors() -> dict[str, int]:
-    """Malformed tool calls read in this process (:meth:`ToolParser.read`), by parser name; each was answered to
-    the model as an error and its episode went on. A RaaS worker reports the sum as ``tool_parse_errors_total`` on
+def _count(kind: str, n: int = 1) -> None:
+    with _errors_lock:
+        _errors[kind] += n
+
+
+def environment_errors() -> dict[str, int]:
+    """What went wrong in this process's episodes and was answered to the model as an error (the episode went
+    on): ``tool_parse_errors``, malformed tool calls (:meth:`ToolParser.read`), and ``tool_call_errors``, calls of
+    an environment's tools that failed (:meth:`Environment.call_tool`: an unknown tool, bad arguments, a tool
+    that raised or did not answer in ``tool_timeout_s``). A RaaS worker reports each as ``<kind>_total`` on
     ``metrics``."""
-    with _parse_errors_lock:
-        return dict(_parse_errors)
+    with _errors_lock:
+        return {kind: _errors[kind] for kind in ("tool_parse_errors", "tool_call_errors")}
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}
@@ -350,17 +362,23 @@ class Environment:
         parallel_tool_calls: let a turn make several calls (OpenAI's ``parallel_tool_calls``): the turn is sampled
             without the parser's stop strings, so it ends where the model ends it, and its calls run concurrently.
             By default a turn ends as its first call closes, and no token is sampled past it.
+        tool_timeout_s: the longest a tool call may take (seconds); a call that takes longer is answered
+            ``error: ...`` (a sync tool's thread runs on, unwaited).
 
     Raises:
-        ValueError: ``max_turns`` < 1, or two tools share a name.
+        ValueError: ``max_turns`` < 1, ``tool_timeout_s`` <= 0, or two tools share a name.
         KeyError: an unknown parser.
     """
 
     def __init__(self, tools: Sequence[FunctionTool | Callable[..., Any]] = (), rubric: Rubric | None = None,
                  parser: str = "hermes", max_turns: int = 4, system_prompt: str | None = None,
-                 mcp_servers: Sequence[Any] = (), parallel_tool_calls: bool = False) -> None:
+                 mcp_servers: Sequence[Any] = (), parallel_tool_calls: bool = False,
+                 tool_timeout_s: float = 60.0) -> None:
         if max_turns < 1:
             raise ValueError(f"Environment max_turns must be >= 1, got {max_turns}")
+        if tool_timeout_s <= 0:
+            raise ValueError(f"Environment tool_timeout_s must be > 0, got {tool_timeout_s}")
+        self.tool_timeout_s = tool_timeout_s
         self.tools: dict[str, FunctionTool] = {}
         self._add_tools(t if isinstance(t, FunctionTool) else function_tool(t) for t in tools)
         self.rubric = rubric if rubric is not None else Rubric([task_reward])
@@ -449,16 +467,29 @@ class Environment:
 
     async def call_tool(self, call: ToolCall) -> str:
         """The answer to ``call``: its tool's text, or ``error: ...`` for an unknown tool, arguments that do not
-        validate, or a tool that raised (the model sees the error, as a real tool's failure)."""
+        validate, a tool that raised (``SystemExit`` too, for a typed function) or did not answer in ``tool_timeout_s`` (the model
+        sees the error, as a real tool's failure). Each error is counted (:func:`environment_errors`); a tool's
+        first one in this process is logged."""
         tool = self.tools.get(call.name)
         if tool is None:
-            return f"error: no tool named {call.name!r}; the tools are {sorted(self.tools)}"
+            return self._tool_error(call, f"no tool named {call.name!r}; the tools are {sorted(self.tools)}")
         try:
-            return await tool.call(call.arguments)
+            return await asyncio.wait_for(tool.call(call.arguments), self.tool_timeout_s)
         except ValidationError as e:
-            return f"error: bad arguments for {call.name}: {e.errors(include_url=False)}"
+            return self._tool_error(call, f"bad arguments for {call.name}: {e.errors(include_url=False)}")
+        except asyncio.TimeoutError:
+            return self._tool_error(call, f"{call.name} did not answer in {self.tool_timeout_s:g} s")
         except Exception as e:  # noqa: BLE001  a failed tool is an observation
-            return f"error: {call.name} failed: {type(e).__name__}: {e}"
+            return self._tool_error(call, f"{call.name} failed: {type(e).__name__}: {e}")
+
+    def _tool_error(self, call: ToolCall, why: str) -> str:
+        """Count (and, for a tool's first, log) a failed call; the text the model is shown."""
+        _count("tool_call_errors")
+        if call.name not in _logged_tools:
+            _logged_tools.add(call.name)
+            log.warning("tool call %s(%s) answered an error (further ones are counted in tool_call_errors_total): %s",
+                        call.name, json.dumps(call.arguments)[:200], why)
+        return f"error: {why}"
 
     async def env_response(self, messages: list[dict[str, Any]], turn: ParsedTurn,
                            state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -503,10 +534,13 @@ def render_delta(tokenizer: Any, new: list[dict[str, Any]], tools: list[dict[str
 
 
 def load_object(spec: str) -> Any:
-    """The object ``spec`` names: ``package.module:name`` (imported) or ``path/to/file.py:name`` (loaded).
+    """The object ``spec`` names: ``package.module:name`` (imported from ``sys.path`` or, last, the working
+    directory: :func:`policies.registry.import_user_module`) or ``path/to/file.py:name`` (loaded; a relative path
+    is from the working directory).
 
     Raises:
-        ValueError: ``spec`` has no ``:name``, the module or file cannot be imported, or lacks ``name``.
+        ValueError: ``spec`` has no ``:name``, the module or file cannot be imported (it is missing, or raised
+            as it was imported), or lacks ``name``.
     """
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
@@ -522,8 +556,8 @@ def load_object(spec: str) -> Any:
             sys.modules[name] = module
             module_spec.loader.exec_module(module)
         else:
-            module = importlib.import_module(target)
-    except (ImportError, OSError, SyntaxError) as e:
+            module = import_user_module(target)
+    except Exception as e:  # noqa: BLE001  a module that raises as it is imported, whatever it raises
         raise ValueError(f"cannot import {target!r}: {type(e).__name__}: {e}") from None
     if not hasattr(module, attr):
         raise ValueError(f"{target!r} has no {attr!r}")
@@ -556,12 +590,19 @@ class EnvironmentWorkflow(Workflow):
         super().__init__(policies)
         if env is None:
             raise ValueError("workflow environment: options.env is required (module:name or file.py:name)")
-        obj = load_object(env) if isinstance(env, str) else env
+        try:
+            obj = load_object(env) if isinstance(env, str) else env
+        except ValueError as e:
+            raise ValueError(f"workflow environment: options.env: {e}") from None
         if not isinstance(obj, Environment):
             if not callable(obj):
                 raise ValueError(f"workflow environment: options.env {env!r} is neither an Environment nor a "
                                  "function returning one")
-            obj = obj(**(env_args or {}))
+            try:
+                obj = obj(**(env_args or {}))
+            except Exception as e:  # noqa: BLE001  the user's function: whatever it raises, named
+                raise ValueError(f"workflow environment: options.env {env!r} called with options.env_args "
+                                 f"{dict(env_args or {})} raised {type(e).__name__}: {e}") from None
         elif env_args:
             raise ValueError(f"workflow environment: options.env_args given, but {env!r} is an Environment "
                              "object, not a function to call with them")
@@ -569,8 +610,9 @@ class EnvironmentWorkflow(Workflow):
             raise ValueError(f"workflow environment: options.env {env!r} returned {type(obj).__name__}, not an "
                              "Environment")
         if max_turns is not None:
-            if max_turns < 1:
-                raise ValueError(f"workflow environment: options.max_turns must be >= 1, got {max_turns}")
+            if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+                raise ValueError(f"workflow environment: options.max_turns must be an integer >= 1, got "
+                                 f"{max_turns!r}")
             obj.max_turns = max_turns
         if parallel_tool_calls is not None:
             if not isinstance(parallel_tool_calls, bool):

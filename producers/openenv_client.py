@@ -495,10 +495,10 @@ class OpenEnvWorkflow(EnvironmentWorkflow):
                              "server's command line, which `astraflow run` starts) is required")
         if url is not None and not url.startswith(("http://", "https://")):
             raise ValueError(f"workflow openenv: options.url {url!r} is not an http:// or https:// URL")
-        if max_turns < 1:
-            raise ValueError(f"workflow openenv: options.max_turns must be >= 1, got {max_turns}")
-        if timeout_s <= 0:
-            raise ValueError(f"workflow openenv: options.timeout_s must be > 0, got {timeout_s}")
+        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+            raise ValueError(f"workflow openenv: options.max_turns must be an integer >= 1, got {max_turns!r}")
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+            raise ValueError(f"workflow openenv: options.timeout_s must be a number > 0, got {timeout_s!r}")
         if actions is not None and actions not in ACTIONS:
             raise ValueError(f"workflow openenv: options.actions must be one of {list(ACTIONS)} (or unset: detected "
                              f"from the server), got {actions!r}")

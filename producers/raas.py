@@ -63,7 +63,7 @@ from producers.config import RaasSection, RolloutPolicyConfig, ToolsConfig
 from producers.engine_batcher import EngineBatcher, EngineCallFailed
 from producers.engine_sync import EngineSync
 from producers.engines import Engine, EngineUpdateError, GenerationInterrupted, SamplingParams
-from producers.environments import tool_parse_errors
+from producers.environments import environment_errors
 from producers.hf_engine import HFEngine
 from producers.prompt_ledger import PromptLedger
 from producers.rewards import reward_errors
@@ -718,8 +718,10 @@ class RaasWorker:
                 values[f"tool.{name}.errors_total"] = float(sum(tool.errors.values()))
         # items whose reward raised or timed out (scored 0.0), in this process (producers.rewards.reward_errors)
         values["reward_errors_total"] = float(sum(reward_errors().values()))
-        # malformed tool calls the environments' parsers read, in this process (producers.environments)
-        values["tool_parse_errors_total"] = float(sum(tool_parse_errors().values()))
+        # malformed tool calls and failed calls of environments' tools, in this process (producers.environments)
+        errors = environment_errors()
+        values["tool_parse_errors_total"] = float(errors["tool_parse_errors"])
+        values["tool_call_errors_total"] = float(errors["tool_call_errors"])
         metric = Metric(component=self.id, kind="raas", values=values)
         self.producer.send(self.names.metrics, encode(metric), key=self.id, headers=headers_for(metric))
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import importlib
 import importlib.util
 import json
 import sys
@@ -32,6 +31,7 @@ from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.runtimes import ProgramResult
 
+from policies.registry import import_user_module
 from producers.chat_server import ChatEndpointWorkflow, ChatServer
 from producers.engine_batcher import EngineBatcher
 from producers.engines import SamplingParams
@@ -104,15 +104,16 @@ sys.modules.setdefault(HARNESS_ID, sys.modules[__name__])
 
 
 def import_env_module(env: str) -> tuple[str, Any]:
-    """The verifiers taskset id and module of ``env``: an installed module name, or a ``.py`` file (imported
-    under its stem, the id verifiers then resolves it by).
+    """The verifiers taskset id and module of ``env``: an installed module name (from ``sys.path`` or, last, the
+    working directory), or a ``.py`` file (imported under its stem, the id verifiers then resolves it by).
 
     Raises:
-        ValueError: the module or file cannot be imported, or another module already has the file's name.
+        ValueError: the module or file cannot be imported (missing, or it raised as it was imported), or another
+            module already has the file's name.
     """
     try:
         if not env.endswith(".py"):
-            return env, importlib.import_module(env.replace("-", "_"))
+            return env, import_user_module(env.replace("-", "_"))
         path = Path(env).resolve()
         name = path.stem
         loaded = sys.modules.get(name)
@@ -132,7 +133,9 @@ def import_env_module(env: str) -> tuple[str, Any]:
             del sys.modules[name]
             raise
         return name, module
-    except (ImportError, OSError, SyntaxError) as e:
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001  a module that raises as it is imported, whatever it raises
         raise ValueError(f"cannot import {env!r}: {type(e).__name__}: {e}") from None
 
 

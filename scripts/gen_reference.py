@@ -295,6 +295,8 @@ METRIC_DESCRIPTIONS = {
     "tool.<name>.errors_total": "failed calls to a tool (timeouts, errors, bad answers)",
     "reward_errors_total": "reward computations that raised or timed out (scored 0)",
     "tool_parse_errors_total": "malformed tool calls in model turns, each answered to the model as an error",
+    "tool_call_errors_total": "calls of an environment's tools that failed (unknown tool, bad arguments, raised, "
+                              "timed out), each answered to the model as an error",
     # filters and curators (policies/processor.py)
     "consumed": "groups read from `trajectories.<policy>`",
     "kept": "groups the filters kept",

@@ -94,6 +94,10 @@ def test_a_request_for_parallel_tool_calls_gets_every_call_of_the_turn():
             default = await client.chat.completions.create(**ask)
             with pytest.raises(openai.BadRequestError, match="parallel_tool_calls='yes': must be true or false"):
                 await client.chat.completions.create(extra_body={"parallel_tool_calls": "yes"}, **ask)
+            with pytest.raises(openai.BadRequestError, match="stop=5: a string or a list of strings"):
+                await client.chat.completions.create(extra_body={"stop": 5}, **ask)
+            with pytest.raises(openai.BadRequestError, match=r"messages\[0\] is not an object with a string role"):
+                await client.chat.completions.create(**{**ask, "messages": ["hello"]})
             return parallel.choices[0], default.choices[0]
         finally:
             await client.close()

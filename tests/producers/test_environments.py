@@ -14,7 +14,7 @@ from astraflow.config import load_config
 from producers.engine_batcher import EngineBatcher
 from producers.engines import SamplingParams
 from producers.environments import (Environment, EnvironmentWorkflow, HermesParser, ParsedTurn, Rubric, ToolCall,
-                                    function_tool, get_tool_parser, render_delta, tool_parse_errors)
+                                    environment_errors, function_tool, get_tool_parser, render_delta)
 from producers.raas import RaasWorker
 from producers.search_server import SearchServer
 from producers.search_tool import SearchTool
@@ -47,6 +47,17 @@ async def slow_add(a: int, b: int) -> int:
     return a + b
 
 
+async def hang(query: str) -> str:
+    """Never answer."""
+    await asyncio.Event().wait()
+    return query
+
+
+def leave(code: int) -> str:
+    """Exit the process."""
+    raise SystemExit(code)
+
+
 def test_a_typed_function_becomes_an_openai_tool_schema_and_its_arguments_are_validated():
     tool = function_tool(lookup)
     assert tool.schema() == {"type": "function", "function": {
@@ -55,18 +66,23 @@ def test_a_typed_function_becomes_an_openai_tool_schema_and_its_arguments_are_va
             "name": {"type": "string", "description": "the entity's name."},
             "field": {"type": "string", "enum": ["code", "doc"], "default": "code", "description": "what to return."},
             "limit": {"type": "integer", "default": 1}}}}}
-    env = Environment(tools=[lookup, slow_add])
+    env = Environment(tools=[lookup, slow_add, hang, leave], tool_timeout_s=0.5)
 
     async def calls() -> list[str]:
         return [await env.call_tool(ToolCall("lookup", {"name": "kavor", "limit": "3"}, "c0")),
                 await env.call_tool(ToolCall("slow_add", {"a": 2, "b": 40}, "c1")),
                 await env.call_tool(ToolCall("lookup", {"field": "age"}, "c2")),
-                await env.call_tool(ToolCall("nope", {}, "c3"))]
+                await env.call_tool(ToolCall("nope", {}, "c3")),
+                await env.call_tool(ToolCall("hang", {"query": "q"}, "c4")),
+                await env.call_tool(ToolCall("leave", {"code": 3}, "c5"))]
 
-    ok, added, bad, unknown = asyncio.run(calls())
+    before = environment_errors()["tool_call_errors"]
+    ok, added, bad, unknown, hung, left = asyncio.run(calls())
     assert (ok, added) == ("kavor:code:3", "42")
     assert bad.startswith("error: bad arguments for lookup") and "name" in bad and "field" in bad
-    assert unknown == "error: no tool named 'nope'; the tools are ['lookup', 'slow_add']"
+    assert unknown == "error: no tool named 'nope'; the tools are ['hang', 'leave', 'lookup', 'slow_add']"
+    assert (hung, left) == ("error: hang did not answer in 0.5 s", "error: leave failed: RuntimeError: the tool raised SystemExit(3)")
+    assert environment_errors()["tool_call_errors"] == before + 4  # a RaaS worker's tool_call_errors_total
     with pytest.raises(TypeError, match="parameter 'x' has no type hint"):
         function_tool(lambda x: x)
     with pytest.raises(ValueError, match="two tools are named 'lookup'"):
@@ -79,9 +95,9 @@ def test_the_hermes_parser_reads_calls_and_reports_malformed_ones():
     text = ("Let me look.\n" + call_text("search", {"query": "kavor"}) + "\n"
             + '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>'
             + "<tool_call>{not json}</tool_call>" + '<tool_call>{"arguments": {}}</tool_call>')
-    before = tool_parse_errors().get("hermes", 0)
+    before = environment_errors()["tool_parse_errors"]
     turn = parser.read(text, first_id=4)
-    assert tool_parse_errors()["hermes"] == before + 2  # what a RaaS worker reports as tool_parse_errors_total
+    assert environment_errors()["tool_parse_errors"] == before + 2  # a RaaS worker's tool_parse_errors_total
     assert turn.content == "Let me look."
     assert turn.calls == (ToolCall("search", {"query": "kavor"}, "call_4"), ToolCall("add", {"a": 1}, "call_5"))
     assert len(turn.errors) == 2 and all(e.startswith("error: malformed tool call") for e in turn.errors)
@@ -216,6 +232,9 @@ def test_a_template_that_renders_no_tools_is_refused(tiny_model_dir):
     ({"env": f"{ROOT}/examples/environments/search_env.py:tool_calls_made", "env_args": {"state": {}}},
      "returned float, not an Environment"),
     ({"env": SEARCH_ENV, "parallel_tool_calls": "yes"}, "options.parallel_tool_calls must be true or false"),
+    ({"env": SEARCH_ENV, "max_turns": "abc"}, "options.max_turns must be an integer >= 1, got 'abc'"),
+    ({"env": SEARCH_ENV, "env_args": {"max_turns": "x"}}, r"options.env_args \{'max_turns': 'x'\} raised TypeError"),
+    ({"env": f"{ROOT}/tests/producers/env_rig.py:no_such_thing"}, "options.env: .* has no 'no_such_thing'"),
 ])
 def test_a_bad_environment_option_is_refused_naming_it(options, message):
     with pytest.raises((ValueError, TypeError), match=message):

@@ -195,7 +195,9 @@ def test_a_worker_given_the_command_and_no_url_refuses_naming_who_sets_it():
 @pytest.mark.parametrize("options, message", [
     ({}, r"options.url \(the server's http://host:port\) or options.command .* is required"),
     ({"url": "127.0.0.1:80"}, "is not an http:// or https:// URL"),
-    ({"url": "http://x", "max_turns": 0}, "options.max_turns must be >= 1"),
+    ({"url": "http://x", "max_turns": 0}, "options.max_turns must be an integer >= 1, got 0"),
+    ({"url": "http://x", "max_turns": "abc"}, "options.max_turns must be an integer >= 1, got 'abc'"),
+    ({"url": "http://x", "timeout_s": "soon"}, "options.timeout_s must be a number > 0, got 'soon'"),
 ])
 def test_a_bad_openenv_option_is_refused_naming_it(options, message):
     with pytest.raises(ValueError, match=message):
