@@ -15,16 +15,15 @@ from tests.producers.test_openenv import needs_server
 @pytest.mark.learning
 def test_openenv_game_learns_and_stays_learned(tmp_path):
     """The example as shipped (100 steps), judged at its end: the mean reward of its last 20% of steps is 0.1 above
-    its first 20%'s and at least 0.8 of its best window (the reward levels off near 0.45-0.5 from about step 60, where
-    20-step windows of 64 episodes a step vary by ~0.05: 0.9, the arith examples' bound, failed 1 run in 4); the
-    trainer and the worker exit 0."""
+    its first 20%'s and at least 0.8 of its best window (the reward levels off near 0.4-0.5 from about step 60,
+    where 20-step windows of 64 episodes a step vary by ~0.05); no prompt is dead-lettered; the trainer and the
+    worker exit 0."""
     run = f"openenv{uuid.uuid4().hex[:8]}"
     s = summary_of(astraflow("run", "examples/openenv-game.yaml", f"run={run}", f"run_dir={tmp_path}"))
-    assert s["versions"] == {"actor": 100}, s
-    # measured (the example's header): last less first +0.26..+0.34 over seeds 0-2, each ending within 0.97 of
-    # its best; seed 0 again ending at 0.87 of its best, and +0.15 in a run that fell near step 35 and climbed back.
-    # Failing runs: lr 1e-3, +0.05 ending at 0.71 of its best; correction m2po at temperature 1.0, +0.13 ending at
-    # 0.72 of its best
+    assert s["versions"] == {"actor": 100} and s["dead_letters"] == 0, s  # no episode lost to a closed session
+    # measured with kl_coef 0.02 (seeds 0, 1, 2 and seed 0 three times more): +0.25..+0.35, each run ending
+    # within 0.94 of its best. Without the KL, 1 run in 6 fell onto one guess near step 35 and ended far below its
+    # best; lr 1e-3 gained +0.05 and ended at 0.71 of its best
     assert s["reward_last"] - s["reward_first"] >= 0.1, s
     assert s["final_over_best"] >= 0.8, s
     components = json.loads((tmp_path / "components.json").read_text())
