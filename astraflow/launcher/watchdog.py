@@ -71,7 +71,10 @@ class DataWatchdog:
                     f"the data ran out: trainer.{p} has been at version {version} of {self.cfg.policies[p].steps} "
                     f"for {now - since:.0f} s, acquisition has sent every prompt and all were rolled out and "
                     f"filtered (samples.{p} lag {samples} committed); raise data.epochs or lower "
-                    f"policies.{p}.steps")
+                    f"policies.{p}.steps" + (f". {monitor.dead_letters} records went to deadletter instead of "
+                                             f"training (each with its reason there and in the components' logs): if "
+                                             f"that is most of the data, mend their cause first"
+                                             if monitor.dead_letters else ""))
                 self.console.print(f"[bold red]watchdog: {self.data_exhausted}[/]")
                 return
             if self._trained.get(p, 0) > version:  # its progress is at a newer version: the stall starts there
