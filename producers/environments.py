@@ -467,9 +467,9 @@ class Environment:
 
     async def call_tool(self, call: ToolCall) -> str:
         """The answer to ``call``: its tool's text, or ``error: ...`` for an unknown tool, arguments that do not
-        validate, a tool that raised (``SystemExit`` too, for a typed function) or did not answer in ``tool_timeout_s`` (the model
-        sees the error, as a real tool's failure). Each error is counted (:func:`environment_errors`); a tool's
-        first one in this process is logged."""
+        validate, a tool that raised (``SystemExit`` too, for a typed function) or did not answer in
+        ``tool_timeout_s`` (the model sees the error, as a real tool's failure). Each error is counted
+        (:func:`environment_errors`); a tool's first one in this process is logged."""
         tool = self.tools.get(call.name)
         if tool is None:
             return self._tool_error(call, f"no tool named {call.name!r}; the tools are {sorted(self.tools)}")

@@ -91,8 +91,8 @@ class OpenEnvSession:
         except (aiohttp.ClientError, ConnectionError) as e:
             raise OpenEnvUnavailable(f"OpenEnv server {self.url}: {message['type']!r} failed: {e}") from None
         if msg.type != aiohttp.WSMsgType.TEXT:
-            raise OpenEnvUnavailable(f"OpenEnv server {self.url}: the session ended ({msg.type.name}) before it answered "
-                               f"{message['type']!r}")
+            raise OpenEnvUnavailable(f"OpenEnv server {self.url}: the session ended ({msg.type.name}) before it "
+                                     f"answered {message['type']!r}")
         try:
             answer = json.loads(msg.data)
         except ValueError:
@@ -154,7 +154,8 @@ class OpenEnvClient:
                 resp.raise_for_status()
                 schema = await resp.json()
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            raise OpenEnvUnavailable(f"OpenEnv server {self.url}: GET /schema failed: {type(e).__name__}: {e}") from None
+            raise OpenEnvUnavailable(f"OpenEnv server {self.url}: GET /schema failed: {type(e).__name__}: "
+                                     f"{e}") from None
         if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
             raise OpenEnvError(f"OpenEnv server {self.url}: GET /schema gave no action schema")
         return schema
@@ -423,8 +424,8 @@ class OpenEnvEnvironment(Environment):
         state["done"] = bool(result.get("done"))
 
     async def begin_episode(self, prompt: Prompt, state: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take a session reset with :func:`seed_of` the prompt (:meth:`OpenEnvClient.reset`), and return the chat of the first
-        observation (after the system prompt, if any). The episode's tool calls step this session
+        """Take a session reset with :func:`seed_of` the prompt (:meth:`OpenEnvClient.reset`), and return the chat
+        of the first observation (after the system prompt, if any). The episode's tool calls step this session
         (:data:`current_episode`)."""
         state["session"], result = await self.client.reset({"seed": seed_of(prompt)})
         current_episode.set(state)
