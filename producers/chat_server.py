@@ -96,7 +96,7 @@ class ChatServer:
         engine: the policy's batcher.
         model: the model name it answers to (any name is accepted; this one is reported).
         parser: the tool-call parser of replies to requests with ``tools``.
-        max_new_tokens: the token budget when a request sets none.
+        max_new_tokens: the token budget when a request sets none, and the most a request may ask for.
         sampling: the run's sampling, when set: its temperature and top-p replace a request's (the behaviour
             logprobs and the trainer's recompute must share them) and its ``max_new_tokens`` caps a request's.
         host, port: where to listen (port 0: a free one; :attr:`url` tells which once started).
@@ -179,8 +179,12 @@ class ChatServer:
         if tools and not parallel:
             stop = tuple(dict.fromkeys(stop + self.parser.stop))
         try:
-            budget = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.max_new_tokens)
+            asked = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
+            budget = int(asked[0]) if asked else self.max_new_tokens
+            if budget < 1:
+                raise ValueError(f"max_tokens={budget}: at least 1")
             temperature, top_p = float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0))
+            budget = min(budget, self.max_new_tokens)
             if self.sampling is not None:
                 budget = min(budget, self.sampling.max_new_tokens)
                 temperature, top_p = self.sampling.temperature, self.sampling.top_p
@@ -283,7 +287,8 @@ class ChatEndpointWorkflow(Workflow):
             self._starting = (loop, asyncio.Lock())
         async with self._starting[1]:
             if self._server is None or self._server[0] is not loop:
-                server = ChatServer(eng, model=self.policies["policy"], parser=self.parser, sampling=sampling)
+                server = ChatServer(eng, model=self.policies["policy"], parser=self.parser,
+                                    max_new_tokens=sampling.max_new_tokens, sampling=sampling)
                 await server.start()
                 self._server = (loop, server)
         return self._server[1]

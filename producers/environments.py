@@ -472,23 +472,26 @@ class Environment:
         (:func:`environment_errors`); a tool's first one in this process is logged."""
         tool = self.tools.get(call.name)
         if tool is None:
-            return self._tool_error(call, f"no tool named {call.name!r}; the tools are {sorted(self.tools)}")
+            return self._tool_error(call.name, call.arguments,
+                                    f"no tool named {call.name!r}; the tools are {sorted(self.tools)}")
         try:
             return await asyncio.wait_for(tool.call(call.arguments), self.tool_timeout_s)
         except ValidationError as e:
-            return self._tool_error(call, f"bad arguments for {call.name}: {e.errors(include_url=False)}")
+            return self._tool_error(call.name, call.arguments,
+                                    f"bad arguments for {call.name}: {e.errors(include_url=False)}")
         except asyncio.TimeoutError:
-            return self._tool_error(call, f"{call.name} did not answer in {self.tool_timeout_s:g} s")
+            return self._tool_error(call.name, call.arguments,
+                                    f"{call.name} did not answer in {self.tool_timeout_s:g} s")
         except Exception as e:  # noqa: BLE001  a failed tool is an observation
-            return self._tool_error(call, f"{call.name} failed: {type(e).__name__}: {e}")
+            return self._tool_error(call.name, call.arguments, f"{call.name} failed: {type(e).__name__}: {e}")
 
-    def _tool_error(self, call: ToolCall, why: str) -> str:
-        """Count (and, for a tool's first, log) a failed call; the text the model is shown."""
+    def _tool_error(self, name: str, arguments: dict[str, Any], why: str) -> str:
+        """Count (and, for a tool's first, log) a failed call of tool ``name``; the text the model is shown."""
         _count("tool_call_errors")
-        if call.name not in _logged_tools:
-            _logged_tools.add(call.name)
+        if name not in _logged_tools:
+            _logged_tools.add(name)
             log.warning("tool call %s(%s) answered an error (further ones are counted in tool_call_errors_total): %s",
-                        call.name, json.dumps(call.arguments)[:200], why)
+                        name, json.dumps(arguments)[:200], why)
         return f"error: {why}"
 
     async def env_response(self, messages: list[dict[str, Any]], turn: ParsedTurn,

@@ -386,7 +386,8 @@ class OpenEnvEnvironment(Environment):
     async def step_tool(self, state: dict[str, Any], name: str, arguments: dict[str, Any]) -> str:
         """Step the episode's session (``state["session"]``) with the call-tool action of ``name`` and
         ``arguments``; count the step's reward and ``done``; return what the model is shown (:func:`call_tool_text`;
-        an observation that is not a call-tool one, as :meth:`observation_text`).
+        an observation that is not a call-tool one, as :meth:`observation_text`). The server's error for the call
+        (unknown tool, bad arguments, a tool that raised) is counted as a failed tool call.
 
         Raises:
             OpenEnvError: the request fails (the episode cannot go on in its session).
@@ -395,7 +396,11 @@ class OpenEnvEnvironment(Environment):
             {"type": "step", "data": {"type": "call_tool", "tool_name": name, "arguments": arguments}})
         self._record(result, state)
         obs = result.get("observation") or {}
-        return call_tool_text(obs) if "tool_name" in obs else self.observation_text(result)
+        if "tool_name" not in obs:
+            return self.observation_text(result)
+        text = call_tool_text(obs)
+        failed = obs.get("error") or (isinstance(obs.get("result"), dict) and obs["result"].get("is_error"))
+        return self._tool_error(name, arguments, text.removeprefix("error: ")) if failed else text
 
     async def close(self) -> None:
         """End the sessions and the HTTP client; forget the listed tools (:meth:`open` lists them again)."""

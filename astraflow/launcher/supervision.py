@@ -20,6 +20,7 @@ SIGKILL, and it is restarted.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -67,12 +68,19 @@ def heartbeat_files(c: Component) -> list[Path]:
     return [p for p in base.parent.glob(base.name + "*") if p.name == base.name or p.suffix[1:].isdigit()]
 
 
+#: Lines a Python process writes as its interpreter exits that say nothing of why it stopped: nanobind's report
+#: of objects leaked at exit (printed by extensions such as triton's), which would push the cause off the tail.
+EXIT_NOISE = re.compile(r"^(nanobind: leaked |nanobind: this is likely|See https://nanobind| - leaked | - \.\.\. skipped)")
+
+
 def log_tail(path: Path, n: int = 15) -> str:
-    """The last ``n`` lines of log ``path``, or ``(no log)`` when it cannot be read."""
+    """The last ``n`` lines of log ``path`` that are not interpreter-exit noise (:data:`EXIT_NOISE`), or
+    ``(no log)`` when it cannot be read."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+        lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
+    return "\n".join([line for line in lines if not EXIT_NOISE.match(line)][-n:])
 
 
 def restart_delay(c: Component, code: int, ran_s: float) -> float | None:

@@ -76,6 +76,21 @@ def test_a_component_that_cannot_start_fails_the_run_naming_it(tmp_path, monkeyp
     assert "port 9400 in use" in text  # the log's tail says why
 
 
+def test_the_log_tail_shown_for_a_failed_component_skips_the_interpreter_exit_report(tmp_path, monkeypatch):
+    # triton's nanobind bindings print a report of leaked objects as the interpreter exits: 20+ lines after the cause
+    exit_report = ["nanobind: leaked 3 instances!", ' - leaked instance 0x7f of type "triton._C.libtriton.ir.context"',
+                   "nanobind: leaked 514 functions!"] + [f' - leaked function "f{i}"' for i in range(20)] + [
+                   " - ... skipped remainder", "nanobind: this is likely caused by a reference counting issue in the "
+                   "binding code.", "See https://nanobind.readthedocs.io/en/latest/refleaks.html"]
+    script = (f"import sys; print('OpenEnvUnavailable: GET /schema failed: Cannot connect to host', file=sys.stderr); "
+              f"print({chr(10).join(exit_report)!r}, file=sys.stderr); sys.exit(1)")
+    comp = Component("raas-0", [sys.executable, "-c", script], tmp_path / "raas-0.log")
+    supervisor, out = _supervisor(tmp_path, monkeypatch, comp)
+    assert _supervise_until(supervisor, lambda: False) == [comp]
+    text = out.getvalue()
+    assert "Cannot connect to host" in text and "nanobind" not in text and "leaked" not in text, text[-2000:]
+
+
 def test_a_component_that_once_got_going_is_restarted_whatever_stops_it(tmp_path, monkeypatch):
     # a component that ran STARTED_S seconds once, then exits with an error at each start (e.g. the store is down
     # while it restarts): restarted for as long as the run goes

@@ -98,13 +98,24 @@ def test_a_request_for_parallel_tool_calls_gets_every_call_of_the_turn():
                 await client.chat.completions.create(extra_body={"stop": 5}, **ask)
             with pytest.raises(openai.BadRequestError, match=r"messages\[0\] is not an object with a string role"):
                 await client.chat.completions.create(**{**ask, "messages": ["hello"]})
-            return parallel.choices[0], default.choices[0]
+            with pytest.raises(openai.BadRequestError, match="max_tokens=0: at least 1"):
+                await client.chat.completions.create(**{**ask, "max_tokens": 0})
+            # the server's max_new_tokens caps what a request asks for
+            capped_server = ChatServer(batcher, model="tiny", max_new_tokens=4)
+            capped_client = openai.AsyncOpenAI(base_url=await capped_server.start(), api_key="unused", max_retries=0)
+            try:
+                capped = await capped_client.chat.completions.create(**{**ask, "max_tokens": 10 ** 12})
+            finally:
+                await capped_client.close()
+                await capped_server.stop()
+            return parallel.choices[0], default.choices[0], capped
         finally:
             await client.close()
             await server.stop()
             batcher.close()
 
-    parallel, default = asyncio.run(main())
+    parallel, default, capped = asyncio.run(main())
+    assert (capped.usage.completion_tokens, capped.choices[0].finish_reason) == (4, "length")
     queries = [json.loads(c.function.arguments)["query"] for c in parallel.message.tool_calls]
     assert (parallel.finish_reason, queries, [c.id for c in parallel.message.tool_calls]) == \
         ("tool_calls", list(PARALLEL[1]), ["call_0", "call_1"])

@@ -10,6 +10,7 @@ import pytest
 
 from producers.engine_batcher import EngineBatcher
 from producers.engines import SamplingParams
+from producers.environments import environment_errors
 from producers.openenv_client import OpenEnvClient, seed_of
 from producers.sources import prompt_id
 from producers.workflows import get_workflow
@@ -149,7 +150,11 @@ def test_an_unknown_tool_bad_arguments_a_raising_tool_and_a_malformed_call_are_o
         finally:
             await env.end_episode(state)
             await workflow.close()
+    before = environment_errors()
     messages, answers, went_on, steps, answered, ended, state = asyncio.run(main())
+    after = environment_errors()
+    # counted: the unknown tool (ours), the bad arguments and the raising tool (the server's errors)
+    assert after["tool_call_errors"] - before["tool_call_errors"] == 3
     assert messages == [{"role": "user", "content": f"What is the code of {entity}?"}]
     unknown, bad, raised, found, malformed = answers
     assert unknown == {"role": "tool", "tool_call_id": "call_0", "name": "lookup_code",
