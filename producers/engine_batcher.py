@@ -5,7 +5,9 @@ Episodes (coroutines, one per sample, :mod:`producers.workflows`) ask for one co
 engine is free and sends them as one :meth:`~producers.engines.Engine.generate` call, run on the
 engine's own thread so the event loop (other episodes' tool calls, the worker's polling and
 commits) goes on meanwhile. A request made while a call runs waits for the next call: the engine
-never idles while an episode has a request, and an episode waiting on a tool holds no engine time.
+never idles while an episode has a request, and an episode waiting on a tool holds no engine time. The
+exception is a :meth:`EngineBatcher.hold`, which a worker ahead of its trainer sets: a call then waits
+(boundedly) for more rows, so that the worker spends fewer cycles per token on a machine it shares.
 
 - An in-process engine (:class:`~producers.hf_engine.HFEngine`, ``Engine.concurrent_calls`` 1)
   runs one call at a time, each over all the requests pending when it starts (the batching loop
@@ -52,9 +54,11 @@ class EngineBatcher:
         self.concurrent = max(1, engine.concurrent_calls)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrent,
                                                               thread_name_prefix=f"{name}-engine")
-        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
+        self._pending: list[tuple[list[int], SamplingParams, asyncio.Future, float]] = []  # ..., loop time asked
         self._running = 0
         self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None  # a dispatch waiting for the floor's rows
+        self.floor: tuple[int, float] | None = None  # (rows, wait_s) while held (hold)
         self._just_freed = False  # _schedule called as a call ends: the requests that waited for it go at once
         self.calls = self.rows = 0
 
@@ -81,14 +85,31 @@ class EngineBatcher:
             EngineCallFailed: that call raised anything else (its ``__cause__``, e.g. ``ValueError`` for an
                 empty prompt).
         """
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((list(ids), sampling, future))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._pending.append((list(ids), sampling, future, loop.time()))
+        if self._timer is not None and len(self._pending) >= self.floor_rows:  # the hold's rows are here
+            self._reschedule()
         self._schedule()
         return await future
 
     async def generate_many(self, batch: list[list[int]], sampling: SamplingParams) -> list[Generation]:
         """One continuation per prompt of ``batch``, in order (all requested at once, so they share calls)."""
         return list(await asyncio.gather(*(self.generate(ids, sampling) for ids in batch)))
+
+    def hold(self, rows: int, wait_s: float) -> None:
+        """Let a call wait, once the engine is free, until ``rows`` requests are pending or the oldest has waited
+        ``wait_s`` seconds: fewer, fuller calls, at the cost of idle engine time, for a worker whose rollout is
+        ahead of its trainer (its engine time is not what the run waits for). ``rows`` 0 ends the hold. An engine
+        that takes concurrent calls (a server) batches them itself: it is never held."""
+        self.floor = (rows, wait_s) if rows > 0 and self.concurrent == 1 else None
+        if self._timer is not None:
+            self._reschedule()
+
+    @property
+    def floor_rows(self) -> int:
+        """The rows a call waits for (0: none; :meth:`hold`)."""
+        return self.floor[0] if self.floor is not None else 0
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on the engine's thread (for an in-process engine: between two calls)."""
@@ -101,16 +122,30 @@ class EngineBatcher:
     # -- the batching loop ---------------------------------------------------------------
     def _schedule(self) -> None:
         """Dispatch at the end of this loop tick, or, when the engine is idle, in ``gather_s``: every request made
-        by then joins the call (requests made while a call ran go as soon as it ends)."""
+        by then joins the call (requests made while a call ran go as soon as it ends). Under a :meth:`hold`, fewer
+        than its rows pending wait until its oldest has waited its ``wait_s``."""
         if not self._scheduled and self._pending and self._running < self.concurrent:
             self._scheduled = True
-            if self.gather_s > 0 and self._running == 0 and not self._just_freed:
-                asyncio.get_running_loop().call_later(self.gather_s, self._dispatch)
+            loop = asyncio.get_running_loop()
+            gather = self.gather_s if self.gather_s > 0 and self._running == 0 and not self._just_freed else 0.0
+            held = 0.0
+            if self.floor is not None and len(self._pending) < self.floor[0]:
+                held = self._pending[0][3] + self.floor[1] - loop.time()
+            if held > gather:
+                self._timer = loop.call_later(held, self._dispatch)
+            elif gather > 0:
+                loop.call_later(gather, self._dispatch)
             else:
-                asyncio.get_running_loop().call_soon(self._dispatch)
+                loop.call_soon(self._dispatch)
+
+    def _reschedule(self) -> None:
+        """Drop the waiting dispatch and schedule again (the hold changed, or its rows are pending)."""
+        self._timer.cancel()
+        self._timer, self._scheduled = None, False
+        self._schedule()
 
     def _dispatch(self) -> None:
-        self._scheduled = False
+        self._scheduled, self._timer = False, None
         if not self._pending or self._running >= self.concurrent:
             return
         # one call per sampling setting (roles may use other budgets): the oldest request's setting first
@@ -124,7 +159,7 @@ class EngineBatcher:
             asyncio.get_running_loop().create_task(self._call(live, sampling))
         self._schedule()
 
-    async def _call(self, requests: list[tuple[list[int], SamplingParams, asyncio.Future]],
+    async def _call(self, requests: list[tuple[list[int], SamplingParams, asyncio.Future, float]],
                     sampling: SamplingParams) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -134,13 +169,13 @@ class EngineBatcher:
             if isinstance(e, Exception) and not isinstance(e, GenerationInterrupted):
                 error = EngineCallFailed(f"engine call of {len(requests)} request(s) failed: {type(e).__name__}: {e}")
                 error.__cause__ = e
-            for _, _, future in requests:
+            for _, _, future, _ in requests:
                 if not future.done():
                     future.set_exception(error)
             if not isinstance(e, Exception):
                 raise
         else:
-            for (_, _, future), gen in zip(requests, gens, strict=True):
+            for (_, _, future, _), gen in zip(requests, gens, strict=True):
                 if not future.done():
                     future.set_result(gen)
         finally:

@@ -84,6 +84,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two warnings that a policy's groups in flight cannot be counted (the bus does not answer).
 UNCOUNTED_WARN_EVERY_S = 30.0
+#: While backpressure holds a worker (its rollout is ahead of its trainer), an engine call waits up to this many
+#: seconds for every episode of its policy in flight to ask (:meth:`~producers.engine_batcher.EngineBatcher.hold`).
+HELD_CALL_WAIT_S = 0.5
 
 
 def make_engine(policy: str, pc: RolloutPolicyConfig, vllm_url: str | None = None) -> Engine:
@@ -568,6 +571,11 @@ class RaasWorker:
         if reason != self.paused_reason:
             log.info("%s: %s", self.id, f"pausing: {reason}" if reason else "resuming")
             self.paused_reason = reason
+        # held by backpressure, the worker's engine time is not what the run waits for: fewer, fuller engine calls
+        # leave the cores to the trainer
+        rows = self.episodes_inflight // len(self.batchers) if reason and not self.held_by_control else 0
+        for batcher in self.batchers.values():
+            batcher.hold(rows, HELD_CALL_WAIT_S)
         # the prompts partitions are paused while backpressure or a command holds the worker, or while it is
         # full (max_episodes in flight); it still polls every tick, to stay in its group and take rebalances
         assignment = self.consumer.assignment()

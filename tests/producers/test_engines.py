@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from producers.engines import GenerationInterrupted, SamplingParams, SwapGate
-from producers.hf_engine import HFEngine
+from producers.hf_engine import HFEngine, length_buckets
 
 torch.set_num_threads(2)
 
@@ -230,3 +230,28 @@ def test_a_swap_waits_for_generations_in_flight_and_holds_back_new_ones():
         assert not t.is_alive()
     assert log.index("swap") > max(log.index(f"gen{i} end") for i in range(3)), log
     assert log.index("gen3 start") > log.index("swap"), log
+
+
+def test_prompts_of_very_different_lengths_are_prefilled_in_buckets_and_each_row_stays_exact(tiny_model_dir):
+    """Four short prompts and four about ten times longer in one call: two prefill passes, each at its bucket's
+    width, whose caches are joined; every row's tokens and logprobs equal a call of that prompt alone."""
+    eng = HFEngine(tiny_model_dir, dtype=torch.float32, max_batch=64)
+    short = ["1+2=", "5+5=", "0+0=", "9+9="]
+    long_ = [" ".join(f"What is {a}+{a + 1}?" for a in range(k, k + 12)) + " 3+4=" for k in range(4)]
+    batch = [p for pair in zip(_encode(eng, short), _encode(eng, long_)) for p in pair]
+    assert length_buckets([len(p) for p in batch]) == [[1, 3, 5, 7], [0, 2, 4, 6]]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    eng.generate(batch[:1], greedy)  # the first prefill finds that caches can be joined
+    shapes = []
+    hook = eng.model.register_forward_pre_hook(lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                               with_kwargs=True)
+    try:
+        together = eng.generate(batch, SamplingParams(max_new_tokens=12, temperature=0))
+    finally:
+        hook.remove()
+    widths = sorted(len(p) for p in batch)
+    assert sorted(s for s in shapes if s[1] > 1) == [(4, widths[3]), (4, widths[-1])]  # two prefills
+    for ids, g in zip(batch, together):
+        [alone] = eng.generate([ids], greedy)
+        assert g.output_ids.tolist() == alone.output_ids.tolist()
+        np.testing.assert_allclose(g.logprobs, alone.logprobs, atol=1e-5)
