@@ -12,7 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rich.console import Group
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 
 from trainer.collapse import Collapse
@@ -59,6 +60,18 @@ class PolicyView:
     publish_failing: bool = False
     durable_version: int | None = None  # the newest version stored and announced (from the trainer's metrics)
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, reward mean)
+
+
+class WideOrTall:
+    """A table shown as it is where the console is wide enough for it, else its transposed form: a console of 80
+    columns (a log, a CI job, a small terminal) would cut each of its headers and values to an ellipsis."""
+
+    def __init__(self, wide: Table, tall: Table) -> None:
+        self.wide, self.tall = wide, tall
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        natural = Measurement.get(console, options.update(max_width=10 ** 4), self.wide).maximum
+        yield self.wide if natural <= options.max_width else self.tall
 
 
 class RunMonitor:
@@ -298,19 +311,26 @@ class RunMonitor:
         staleness (a collapse alert as the caption); then lag per group; then
         each group's members, with the RaaS workers an operator's pause or throttle holds; then per RaaS worker
         its episodes in flight and its tools' latency percentiles (:meth:`workers`)."""
-        t = Table(title=title or f"run {self.names.run}")
-        for col in ("policy", "step", "version", "reward", "KL", "entropy", "clipfrac", "grad norm", "train tok/s",
-                    "staleness", "publish errors"):
-            t.add_column(col, justify="right" if col != "policy" else "left")
+        columns = ("policy", "step", "version", "reward", "KL", "entropy", "clipfrac", "grad norm", "train tok/s",
+                   "staleness", "publish errors")
         fmt = lambda x, f="{:.3f}": "-" if x is None else f.format(x)  # noqa: E731
-        for p, v in self.views.items():
-            t.add_row(p, str(v.step), str(v.version), fmt(v.reward), fmt(v.kl, "{:.4f}"), fmt(v.entropy, "{:.4f}"),
-                      fmt(v.clipfrac, "{:.4f}"), fmt(v.grad_norm, "{:.3g}"), fmt(v.tokens_per_s, "{:.0f}"), fmt(v.staleness, "{:.2f}"),
-                      f"[bold red]{v.publish_errors} (durable {v.durable_version})[/]" if v.publish_failing
-                      else str(v.publish_errors))
+        rows = [[p, str(v.step), str(v.version), fmt(v.reward), fmt(v.kl, "{:.4f}"), fmt(v.entropy, "{:.4f}"),
+                 fmt(v.clipfrac, "{:.4f}"), fmt(v.grad_norm, "{:.3g}"), fmt(v.tokens_per_s, "{:.0f}"),
+                 fmt(v.staleness, "{:.2f}"), f"[bold red]{v.publish_errors} (durable {v.durable_version})[/]"
+                 if v.publish_failing else str(v.publish_errors)] for p, v in self.views.items()]
         collapses = [f"{p}: {v.collapse}" for p, v in self.views.items() if v.collapse]
-        if collapses:
-            t.caption = "[bold red]" + "; ".join(collapses) + "[/]"
+        caption = "[bold red]" + "; ".join(collapses) + "[/]" if collapses else None
+        t = Table(title=title or f"run {self.names.run}", caption=caption)
+        for col in columns:
+            t.add_column(col, justify="right" if col != "policy" else "left")
+        for row in rows:
+            t.add_row(*row)
+        tall = Table(title=title or f"run {self.names.run}", caption=caption)
+        tall.add_column("policy")
+        for row in rows:
+            tall.add_column(row[0], justify="right")
+        for i, col in enumerate(columns[1:], 1):
+            tall.add_row(col, *(row[i] for row in rows))
         lag = Table(title=f"rollout {self.rollout_throughput():.0f} tok/s; consumer-group lag")
         for col in ("consumer group", "topic", "lag"):
             lag.add_column(col, justify="right" if col == "lag" else "left")
@@ -342,7 +362,7 @@ class RunMonitor:
             workers.add_row(worker, f"{w['tokens_per_s']:.0f}", self._last_metric(worker),
                             f"{w.get('episodes_inflight', 0):.0f}", f"{w.get('prompts_inflight', 0):.0f}",
                             f"{max(batch, default=0):.1f}", *cells)
-        return Group(t, lag, members, workers)
+        return Group(WideOrTall(t, tall), lag, members, workers)
 
     def _last_metric(self, component: str | None) -> str:
         """A table cell: how long ago ``component`` last reported; a RaaS worker silent for ``WORKER_SILENT_S``

@@ -87,5 +87,13 @@ def test_status_shows_entropy_clip_fraction_grad_norm_and_a_collapse_alert(tmp_p
         row = next(line for line in text.splitlines() if line.startswith("│ actor"))
         assert [c.strip() for c in row.split("│")[1:-1]][5:8] == ["0.1900", "0.0125", "3.5"], text
         assert "actor: reward collapsed at step 37" in text, text
+        # 80 columns (a log, a CI job): the policies' table turns to a row per figure instead of cutting each one
+        narrow = Console(width=80, record=True)
+        narrow.print(monitor.table())
+        text = narrow.export_text().split("consumer-group lag")[0]
+        cells = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
+        figures = {c[0]: c[1] for c in cells if len(c) == 2}
+        assert (figures["entropy"], figures["clipfrac"], figures["grad norm"], figures["step"]) == \
+            ("0.1900", "0.0125", "3.5", "7") and "…" not in text, text
     finally:
         monitor.close()
