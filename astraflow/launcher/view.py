@@ -1,4 +1,5 @@
-"""The live view of a run: its own thread reads the metrics, redraws the table, prints a line when a trainer's
+"""The live view of a run: its own thread reads the metrics, redraws the table (on a console that is not a terminal,
+prints a progress line every :data:`PROGRESS_EVERY_S` instead), prints a line when a trainer's
 weight publishes start or stop failing, and gives the watchers their look. It waits on the bus (admin requests block
 up to 30 s when the bus is down), so supervision, which must not, keeps the main thread."""
 from __future__ import annotations
@@ -16,6 +17,9 @@ from topics.bus import BusError
 #: seconds a round of the live view takes at least (the table redraws once a second; the watchdogs' bounds are tens
 #: of seconds): metrics arrive several times a second, and a round for each cost the launcher 3-4% of a core
 ROUND_S = 1.0
+#: seconds between two progress lines (:meth:`LiveView.progress_line`) on a console that is not a terminal (a log, CI),
+#: where the table is drawn only once, as the run ends
+PROGRESS_EVERY_S = 30.0
 VIEW_JOIN_S = 150.0       # > one live-view round with the bus down: lags (10 s metadata + 30 s offsets), members (30 s), watchdog lags (40 s)
 
 
@@ -58,7 +62,7 @@ class LiveView:
     def _loop(self, live: Live, t0: float) -> None:
         """Until :meth:`stop`, a round at most every :data:`ROUND_S`: metrics, the table, the alerts, the looks. An
         unreachable bus is reported once per condition; the components ride it out by restarts."""
-        trouble, last = "", 0.0
+        trouble, last, told = "", 0.0, time.monotonic()
         while not self._done.is_set():
             started = time.monotonic()
             try:
@@ -66,6 +70,9 @@ class LiveView:
                 if time.monotonic() - last > 1.0:
                     live.update(self.monitor.table(f"run {self.run}  {time.monotonic() - t0:.0f} s"))
                     last = time.monotonic()
+                if not self.console.is_terminal and time.monotonic() - told >= PROGRESS_EVERY_S:
+                    self.console.print(self.progress_line(time.monotonic() - t0), markup=False, soft_wrap=True)
+                    told = time.monotonic()
                 self._publish_alerts()
                 self._collapse_alerts()
                 for look in self.looks:
@@ -78,6 +85,15 @@ class LiveView:
                     self.console.print(f"[bold yellow]bus trouble (components ride it out by restarts): {e}[/]")
                 trouble = str(e)
             self._done.wait(max(0.0, ROUND_S - (time.monotonic() - started)))
+
+    def progress_line(self, elapsed_s: float) -> str:
+        """One line of the run's progress, for a console that is not a terminal: per policy its step, version,
+        reward, KL, trainer tokens/s and staleness (``-`` for a figure not reported yet)."""
+        fmt = lambda x, f: "-" if x is None else f.format(x)  # noqa: E731
+        return f"run {self.run} {elapsed_s:.0f} s: " + "; ".join(
+            f"{p} step {v.step} version {v.version} reward {fmt(v.reward, '{:.3f}')} KL {fmt(v.kl, '{:.4f}')} "
+            f"train {fmt(v.tokens_per_s, '{:.0f}')} tok/s staleness {fmt(v.staleness, '{:.2f}')}"
+            for p, v in self.monitor.views.items())
 
     def _collapse_alerts(self) -> None:
         """One console line per collapse alert of a trainer (:mod:`trainer.collapse`)."""

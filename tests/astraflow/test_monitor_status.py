@@ -5,6 +5,7 @@ import time
 
 from rich.console import Console
 
+from astraflow.launcher.view import LiveView
 from astraflow.monitor import WORKER_SILENT_S, RunMonitor
 from topics.bus import connect
 from topics.codec import encode, headers_for
@@ -95,5 +96,8 @@ def test_status_shows_entropy_clip_fraction_grad_norm_and_a_collapse_alert(tmp_p
         figures = {c[0]: c[1] for c in cells if len(c) == 2}
         assert (figures["entropy"], figures["clipfrac"], figures["grad norm"], figures["step"]) == \
             ("0.1900", "0.0125", "3.5", "7") and "…" not in text, text
+        # a log's progress line
+        line = LiveView(monitor, "r", narrow, looks=()).progress_line(61.4)
+        assert line == "run r 61 s: actor step 7 version 7 reward 0.000 KL - train - tok/s staleness -", line
     finally:
         monitor.close()
