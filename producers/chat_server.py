@@ -166,7 +166,7 @@ class ChatServer:
             BadRequest: ``n`` other than 1, or a bad value (the message names the field).
         """
         if body.get("n", 1) != 1:
-            raise BadRequest(f"n={body['n']}: one choice per request (send G requests for G samples)")
+            raise BadRequest(f"n={body['n']!r}: one choice per request, n=1 (send G requests for G samples)")
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, list | tuple) or not all(isinstance(x, str) for x in stop):
